@@ -1,0 +1,86 @@
+// Checkpoint-level operations: compress the block-scale tensors of a
+// safetensors file (or a sharded checkpoint folder) into CSF, restore the
+// original byte for byte, verify, inspect. See docs/container-format.md.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "csfmoe/codec.hpp"
+#include "csfmoe/formats.hpp"
+
+namespace csfmoe {
+
+// Called as tensors are processed; bytes_done/bytes_total count source bytes
+// of the whole job (all shards). Called from the calling thread only.
+struct Progress {
+  std::uint64_t bytes_done = 0;
+  std::uint64_t bytes_total = 0;
+  std::string current;  // "file:tensor"
+};
+using ProgressFn = std::function<void(const Progress&)>;
+
+struct CompressOptions {
+  unsigned threads = 0;                             // 0: all hardware threads
+  ScaleLayout layout = ScaleLayout::row_major;      // how scale tensors are laid out in the source
+  bool keep_unprofitable = true;                    // keep a tensor native when CSF would be larger
+  ProgressFn progress;                              // optional
+};
+
+// What happened to one tensor.
+enum class TensorAction {
+  csf,          // stored as CSF parts
+  native_kept,  // a scale tensor kept native because CSF would not pay
+  passthrough,  // not a block-scale tensor; copied as is
+};
+
+struct TensorReport {
+  std::string file;    // file name inside the checkpoint
+  std::string name;    // tensor name in the source
+  std::string dtype;   // safetensors dtype of the source tensor
+  std::vector<std::uint64_t> shape;
+  TensorAction action = TensorAction::passthrough;
+  std::optional<ScaleFormat> format;  // set for block-scale tensors
+  std::string layer;                  // MoE layer key (e.g. "model.layers.3.mlp.experts") or ""
+  std::string reason;                 // why native_kept, or ""
+  CsfStats stats;                     // for block-scale tensors (measured even when kept native)
+};
+
+struct CheckpointReport {
+  std::filesystem::path path;
+  std::vector<TensorReport> tensors;
+  // Totals over block-scale tensors only.
+  std::uint64_t scale_source_bytes = 0;
+  std::uint64_t scale_stored_bytes = 0;   // as stored (CSF or native kept)
+  std::uint64_t file_source_bytes = 0;    // all tensors, source
+  std::uint64_t file_stored_bytes = 0;    // all tensors, as stored
+};
+
+// in: a .safetensors file or a folder (sharded with model.safetensors.index.json,
+// or any folder of .safetensors files). out: a file or folder path that must
+// not exist yet (and must not be the input). Writes through temporary files
+// and renames at the end: on any error no output is left behind.
+CheckpointReport compress_checkpoint(const std::filesystem::path& in, const std::filesystem::path& out,
+                                     const CompressOptions& options = {});
+
+// Restores the original checkpoint byte for byte (CRC-checked per tensor and
+// per file). Same output rules as compress.
+void decompress_checkpoint(const std::filesystem::path& in, const std::filesystem::path& out,
+                           const CompressOptions& options = {});
+
+// Decodes every CSF tensor and checks its CRC32 against the stored one;
+// throws CorruptData naming file and tensor on the first mismatch.
+CheckpointReport verify_checkpoint(const std::filesystem::path& in, const CompressOptions& options = {});
+
+// Statistics for a native or compressed checkpoint. For a native one the
+// stats say what CSF would give; nothing is written.
+CheckpointReport inspect_checkpoint(const std::filesystem::path& in, const CompressOptions& options = {});
+
+// True if the file at path is a csfmoe-compressed safetensors file.
+bool is_csf_container(const std::filesystem::path& file);
+
+}  // namespace csfmoe
