@@ -62,7 +62,7 @@ using Metadata = std::map<std::string, std::string>;
 // A parsed and fully validated header. Throws FormatError naming `label`
 // (usually the file path) and the tensor or field at fault.
 struct Header {
-  std::vector<TensorInfo> tensors;  // in the order of the JSON text
+  std::vector<TensorInfo> tensors;   // in the order of the JSON text
   std::optional<Metadata> metadata;  // absent when the header has no (or a null) __metadata__
   const TensorInfo* find(std::string_view name) const;
 };
@@ -126,7 +126,7 @@ class AtomicFile {
   void write(std::span<const std::uint8_t> bytes);  // appends (buffered)
   void write(std::string_view bytes);
   void pwrite(std::uint64_t offset, std::span<const std::uint8_t> bytes);  // unbuffered, at an offset
-  void seek(std::uint64_t offset);                                          // next write() position
+  void seek(std::uint64_t offset);                                         // next write() position
   std::uint64_t position() const { return pos_; }
   void commit();
 
@@ -161,7 +161,8 @@ class Writer {
   // Length of the header JSON that commit() would write for these entries.
   static std::uint64_t header_json_size(const std::vector<TensorInfo>& tensors,
                                         const std::optional<Metadata>& metadata);
-  static std::string header_json(const std::vector<TensorInfo>& tensors, const std::optional<Metadata>& metadata);
+  static std::string header_json(const std::vector<TensorInfo>& tensors,
+                                 const std::optional<Metadata>& metadata);
 
  private:
   AtomicFile file_;
@@ -173,9 +174,9 @@ class Writer {
 
 // model.safetensors.index.json of a sharded checkpoint.
 struct ShardIndex {
-  std::string raw;                                   // the file bytes verbatim
+  std::string raw;                                              // the file bytes verbatim
   std::vector<std::pair<std::string, std::string>> weight_map;  // tensor -> shard file name, file order
-  std::vector<std::string> shards;                   // distinct shard names, first-use order
+  std::vector<std::string> shards;                              // distinct shard names, first-use order
 };
 // Parses and validates the index in `folder`: shard names must be plain file
 // names (no separators, "." or ".."), name existing regular files, and

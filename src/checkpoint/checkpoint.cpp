@@ -1,0 +1,836 @@
+// compress / decompress / verify / inspect of safetensors checkpoints.
+#include "csfmoe/checkpoint.hpp"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "checkpoint/container.hpp"
+#include "checkpoint/detect.hpp"
+#include "csfmoe/errors.hpp"
+#include "csfmoe/safetensors.hpp"
+
+namespace csfmoe {
+namespace fs = std::filesystem;
+using ojson = nlohmann::ordered_json;
+using namespace detail;
+
+namespace {
+
+constexpr const char* kIndexKey = "csfmoe";  // key inside the rewritten index's "metadata"
+
+std::uint32_t crc_of(std::span<const std::uint8_t> b) {
+  uLong c = crc32(0L, Z_NULL, 0);
+  while (!b.empty()) {
+    const std::size_t n = std::min<std::size_t>(b.size(), std::size_t{1} << 30);
+    c = crc32(c, b.data(), static_cast<uInt>(n));
+    b = b.subspan(n);
+  }
+  return static_cast<std::uint32_t>(c);
+}
+std::uint32_t crc_of(std::string_view s) {
+  return crc_of(std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(s.data()), s.size()));
+}
+std::uint32_t crc_join(std::uint32_t a, std::uint32_t b, std::uint64_t len_b) {
+  return static_cast<std::uint32_t>(crc32_combine64(a, b, static_cast<z_off64_t>(len_b)));
+}
+
+template <class T>
+std::span<const std::uint8_t> as_bytes(const std::vector<T>& v) {
+  return {reinterpret_cast<const std::uint8_t*>(v.data()), v.size() * sizeof(T)};
+}
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+struct Job {
+  const CompressOptions& opt;
+  std::uint64_t done = 0, total = 0;
+  void tick(std::uint64_t bytes, const std::string& file, const std::string& tensor) {
+    done += bytes;
+    if (opt.progress) opt.progress(Progress{done, total, file + ":" + tensor});
+  }
+};
+
+CodecOptions codec_options(const CompressOptions& o) {
+  CodecOptions c;
+  c.threads = o.threads;
+  return c;
+}
+
+// Tensors in data order (stable for empty tensors that share an offset).
+std::vector<const st::TensorInfo*> data_order(const st::Header& h) {
+  std::vector<const st::TensorInfo*> v;
+  for (const auto& t : h.tensors) v.push_back(&t);
+  std::stable_sort(v.begin(), v.end(),
+                   [](const st::TensorInfo* a, const st::TensorInfo* b) { return a->begin < b->begin; });
+  return v;
+}
+
+// Data-section bytes outside every tensor.
+std::vector<Gap> find_gaps(const st::File& f) {
+  std::vector<Gap> gaps;
+  std::uint64_t pos = 0;
+  const auto data = f.data_section();
+  auto add = [&](std::uint64_t b, std::uint64_t e) {
+    if (e > b) gaps.push_back({b, std::string(reinterpret_cast<const char*>(data.data()) + b, e - b)});
+  };
+  for (const auto* t : data_order(f.header())) {
+    if (!t->nbytes()) continue;
+    add(pos, t->begin);
+    pos = t->end;
+  }
+  add(pos, f.data_size());
+  return gaps;
+}
+
+TensorReport base_report(const std::string& file, const st::TensorInfo& t) {
+  TensorReport r;
+  r.file = file;
+  r.name = t.name;
+  r.dtype = std::string(st::to_string(t.dtype));
+  r.shape = t.shape;
+  return r;
+}
+
+void add_totals(CheckpointReport& rep, const TensorReport& t, std::uint64_t source, std::uint64_t stored) {
+  rep.file_source_bytes += source;
+  rep.file_stored_bytes += stored;
+  if (t.format) {
+    rep.scale_source_bytes += source;
+    rep.scale_stored_bytes += stored;
+  }
+}
+
+std::string ratio_reason(std::uint64_t enc, std::uint64_t src) {
+  return fmt::format("CSF would be {:.1f}% of the source ({} vs {} bytes)",
+                     src ? 100.0 * double(enc) / double(src) : 0.0, enc, src);
+}
+
+// Builds the original-file restore record fields shared by compress and its header bound.
+ContainerInfo base_info(const st::File& f) {
+  ContainerInfo info;
+  info.original_header = std::string(f.header_bytes());
+  info.original_file_size = f.file_size();
+  info.gaps = find_gaps(f);
+  return info;
+}
+
+struct FileResult {
+  std::set<std::string> csf_names;     // tensors stored as CSF
+  std::vector<st::TensorInfo> stored;  // container tensors
+};
+
+// Compresses one validated safetensors file into `dest` (which must not exist).
+FileResult compress_file(const st::File& src, const fs::path& dest, const std::string& file, Job& job,
+                         CheckpointReport& rep, bool write) {
+  const std::string label = src.path().string();
+  const CompressOptions& opt = job.opt;
+  const Detection det = detect_scales(src.header(), opt.layout, label);
+  const auto order = data_order(src.header());
+
+  // Candidates whose part names would collide with a tensor of the file stay native.
+  std::set<std::string> names;
+  for (const auto& t : src.tensors()) names.insert(t.name);
+  std::map<std::string, std::string> unusable;
+  std::map<std::string, CsfGeometry> geoms;
+  for (const auto& c : det.scales) {
+    const auto p = part_names(c.name);
+    for (const auto* n : {&p.fixed, &p.exceptions, &p.row_prefix, &p.partition_index})
+      if (names.count(*n))
+        unusable[c.name] = fmt::format("part name '{}' is already a tensor of the file", *n);
+    if (unusable.count(c.name)) continue;
+    try {
+      geoms.emplace(c.name, CsfGeometry::of(c.shape));
+    } catch (const InvalidArgument& e) {
+      unusable[c.name] = fmt::format("not encodable as CSF: {}", e.what());
+    }
+  }
+
+  // Upper bound of the container header: every candidate in CSF form with
+  // the largest possible counts and offsets, plus room for its native form.
+  ContainerInfo info = base_info(src);
+  std::optional<st::Metadata> md = src.header().metadata;
+  std::uint64_t reserve = 1024;
+  {
+    ContainerInfo ub = info;
+    ub.original_file_crc32 = UINT32_MAX;
+    std::vector<st::TensorInfo> tens;
+    std::uint64_t off = 0;
+    auto push = [&](const std::string& n, st::Dtype d, std::uint64_t bytes,
+                    std::vector<std::uint64_t> shape) {
+      st::TensorInfo t;
+      t.name = n;
+      t.dtype = d;
+      t.shape = std::move(shape);
+      t.begin = off;
+      off += bytes;
+      t.end = off;
+      tens.push_back(std::move(t));
+    };
+    for (const auto* t : order) {
+      const ScaleCandidate* c = det.find(t->name);
+      ub.native_crc32[t->name] = UINT32_MAX;
+      if (c && geoms.count(t->name)) {
+        const CsfGeometry& g = geoms.at(t->name);
+        const std::uint64_t values = std::uint64_t{c->shape.experts} * c->shape.rows * c->shape.cols;
+        const std::uint64_t rp = g.total_rows() + 1;
+        const std::uint64_t pi = std::uint64_t{g.partitions_per_expert} * c->shape.experts + 1;
+        const auto p = part_names(t->name);
+        push(p.fixed, st::Dtype::U8, g.fixed_bytes(), {g.fixed_bytes()});
+        push(p.exceptions, st::Dtype::U32, 4 * values, {values});
+        push(p.row_prefix, st::Dtype::U32, 4 * rp, {rp});
+        push(p.partition_index, st::Dtype::U32, 4 * pi, {pi});
+        CsfEntry e;
+        e.name = t->name;
+        e.dtype = t->dtype;
+        e.shape = t->shape;
+        e.grid = c->shape;
+        e.crc32 = UINT32_MAX;
+        e.exceptions = values;
+        e.layer = c->layer;
+        ub.csf.push_back(std::move(e));
+        // Its native entry (if kept) and the reason string in the descriptor.
+        reserve += 2 * ojson(t->name).dump().size() + 21 * (t->shape.size() + 2) + 512;
+      } else {
+        push(t->name, t->dtype, t->nbytes(), t->shape);
+        if (c) reserve += 2 * ojson(t->name).dump().size() + 512;
+      }
+    }
+    st::Metadata ubmd = md.value_or(st::Metadata{});
+    put_container_metadata(ub, ubmd);
+    reserve += st::Writer::header_json_size(tens, ubmd);
+  }
+  if (write && reserve > st::kMaxHeaderBytes)
+    throw Unsupported(
+        fmt::format("{}: the container header would need up to {} bytes, over the safetensors limit of {}",
+                    label, reserve, st::kMaxHeaderBytes));
+
+  std::optional<st::Writer> w;
+  if (write) w.emplace(dest, reserve);
+  FileResult result;
+  std::map<std::string, std::uint32_t> crcs;
+  const CodecOptions copts = codec_options(opt);
+
+  for (const auto* t : order) {
+    const auto data = src.data(*t);
+    const std::uint32_t c32 = crc_of(data);
+    crcs[t->name] = c32;
+    TensorReport tr = base_report(file, *t);
+    const ScaleCandidate* cand = det.find(t->name);
+    if (auto r = det.rejected.find(t->name); r != det.rejected.end()) tr.reason = r->second;
+    bool stored_csf = false;
+    std::uint64_t stored_bytes = data.size();
+    if (cand) {
+      tr.format = cand->shape.format;
+      tr.layer = cand->layer;
+      if (auto u = unusable.find(t->name); u != unusable.end()) {
+        tr.action = TensorAction::native_kept;
+        tr.reason = u->second;
+      } else {
+        CsfTensor enc = encode(cand->shape, data, copts);
+        tr.stats = stats(enc);
+        // Exactness is the point: prove it before storing anything.
+        std::vector<std::uint8_t> back(data.size());
+        decode(enc, cand->shape.layout, back, copts, /*trusted=*/true);
+        if (!std::equal(back.begin(), back.end(), data.begin()))
+          throw CorruptData(fmt::format(
+              "{}: tensor '{}': CSF round trip does not reproduce the source (codec bug)", label, t->name));
+        if (opt.keep_unprofitable && enc.encoded_bytes() >= data.size()) {
+          tr.action = TensorAction::native_kept;
+          tr.reason = ratio_reason(enc.encoded_bytes(), data.size());
+        } else {
+          stored_csf = true;
+          tr.action = TensorAction::csf;
+          stored_bytes = enc.encoded_bytes();
+          if (w) {
+            const auto p = part_names(t->name);
+            w->add_tensor(p.fixed, st::Dtype::U8, {enc.fixed.size()}, enc.fixed);
+            w->add_tensor(p.exceptions, st::Dtype::U32, {enc.exceptions.size()}, as_bytes(enc.exceptions));
+            w->add_tensor(p.row_prefix, st::Dtype::U32, {enc.row_prefix.size()}, as_bytes(enc.row_prefix));
+            w->add_tensor(p.partition_index, st::Dtype::U32, {enc.partition_index.size()},
+                          as_bytes(enc.partition_index));
+          }
+          CsfEntry e;
+          e.name = t->name;
+          e.dtype = t->dtype;
+          e.shape = t->shape;
+          e.grid = cand->shape;
+          e.crc32 = c32;
+          e.exceptions = enc.exceptions.size();
+          e.layer = cand->layer;
+          info.csf.push_back(std::move(e));
+          result.csf_names.insert(t->name);
+        }
+      }
+      if (!stored_csf) info.native_kept[t->name] = {cand->shape.format, cand->layer, tr.reason};
+    }
+    if (!stored_csf) {
+      if (w) w->add_tensor(t->name, t->dtype, t->shape, data);
+      info.native_crc32[t->name] = c32;
+    }
+    add_totals(rep, tr, data.size(), stored_bytes);
+    rep.tensors.push_back(std::move(tr));
+    job.tick(data.size(), file, t->name);
+  }
+
+  // Whole-file CRC from the pieces, in file order.
+  std::uint32_t fc = crc_of(src.bytes().subspan(0, src.data_offset()));
+  {
+    std::size_t gi = 0;
+    const auto& gaps = info.gaps;
+    for (const auto* t : order) {
+      if (!t->nbytes()) continue;
+      while (gi < gaps.size() && gaps[gi].offset < t->begin) {
+        fc = crc_join(fc, crc_of(gaps[gi].bytes), gaps[gi].bytes.size());
+        ++gi;
+      }
+      fc = crc_join(fc, crcs[t->name], t->nbytes());
+    }
+    for (; gi < gaps.size(); ++gi) fc = crc_join(fc, crc_of(gaps[gi].bytes), gaps[gi].bytes.size());
+  }
+  info.original_file_crc32 = fc;
+  if (w) {
+    st::Metadata out_md = md.value_or(st::Metadata{});
+    put_container_metadata(info, out_md);
+    w->commit(out_md);
+    result.stored = w->tensors();
+  }
+  return result;
+}
+
+// Loads and validates the four parts of one CSF tensor.
+CsfTensor load_parts(const st::File& c, const CsfEntry& e, const std::string& label) {
+  const std::string what = fmt::format("{}: tensor '{}'", label, e.name);
+  CsfTensor t;
+  try {
+    t.geometry = CsfGeometry::of(e.grid);
+  } catch (const InvalidArgument& x) {
+    throw FormatError(fmt::format("{}: invalid grid in the descriptor: {}", what, x.what()));
+  }
+  const auto p = part_names(e.name);
+  auto get = [&](const std::string& n, st::Dtype d, std::uint64_t count) -> std::span<const std::uint8_t> {
+    const st::TensorInfo* ti = c.find(n);
+    if (!ti) throw FormatError(fmt::format("{}: CSF part '{}' is missing", what, n));
+    if (ti->dtype != d)
+      throw FormatError(fmt::format("{}: CSF part '{}' must be {}, got {}", what, n, st::to_string(d),
+                                    st::to_string(ti->dtype)));
+    if (ti->shape.size() != 1 || ti->shape[0] != count)
+      throw FormatError(fmt::format("{}: CSF part '{}' has shape [{}], expected [{}]", what, n,
+                                    fmt::join(ti->shape, ", "), count));
+    return c.data(*ti);
+  };
+  const auto& g = t.geometry;
+  auto fixed = get(p.fixed, st::Dtype::U8, g.fixed_bytes());
+  auto exc = get(p.exceptions, st::Dtype::U32, e.exceptions);
+  auto rp = get(p.row_prefix, st::Dtype::U32, g.total_rows() + 1);
+  auto pi =
+      get(p.partition_index, st::Dtype::U32, std::uint64_t{g.partitions_per_expert} * g.shape.experts + 1);
+  t.fixed.assign(fixed.begin(), fixed.end());
+  auto load32 = [](std::span<const std::uint8_t> b, std::vector<std::uint32_t>& v) {
+    v.resize(b.size() / 4);
+    if (!b.empty()) std::memcpy(v.data(), b.data(), b.size());
+  };
+  load32(exc, t.exceptions);
+  load32(rp, t.row_prefix);
+  load32(pi, t.partition_index);
+  try {
+    validate(t);
+  } catch (const FormatError& x) {
+    throw FormatError(fmt::format("{}: invalid CSF parts: {}", what, x.what()));
+  }
+  return t;
+}
+
+struct OpenContainer {
+  st::File file;
+  ContainerInfo info;
+};
+
+// Rebuilds the original file from a container, streaming into `out` (or
+// nowhere, for verify). Every CRC is checked before `out` is committed.
+void restore_file(const st::File& c, const ContainerInfo& info, st::AtomicFile* out, const std::string& file,
+                  Job& job, CheckpointReport* rep) {
+  const std::string label = c.path().string();
+  const std::string& H = info.original_header;
+  if (8 + H.size() > info.original_file_size)
+    throw FormatError(fmt::format("{}: original header ({} bytes) does not fit the original file size {}",
+                                  label, H.size(), info.original_file_size));
+  const std::uint64_t data_size = info.original_file_size - 8 - H.size();
+  const st::Header oh = st::parse_header(H, data_size, label + " (original header)");
+  for (const auto& e : info.csf) {
+    const st::TensorInfo* t = oh.find(e.name);
+    if (!t)
+      throw FormatError(
+          fmt::format("{}: tensor '{}': in the descriptor but not in the original header", label, e.name));
+    if (t->dtype != e.dtype || t->shape != e.shape)
+      throw FormatError(fmt::format(
+          "{}: tensor '{}': descriptor dtype/shape disagree with the original header", label, e.name));
+  }
+  // Tensors and gaps must tile the original data section exactly.
+  const auto order = data_order(oh);
+  {
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> segs;
+    for (const auto* t : order)
+      if (t->nbytes()) segs.emplace_back(t->begin, t->end);
+    for (const auto& g : info.gaps) {
+      if (g.bytes.empty()) throw FormatError(label + ": empty gap record in the restore record");
+      segs.emplace_back(g.offset, g.offset + g.bytes.size());
+    }
+    std::sort(segs.begin(), segs.end());
+    std::uint64_t pos = 0;
+    for (const auto& [b, e] : segs) {
+      if (b != pos)
+        throw FormatError(
+            fmt::format("{}: restore record leaves original bytes [{}, {}) undefined or doubly defined",
+                        label, std::min(b, pos), std::max(b, pos)));
+      pos = e;
+    }
+    if (pos != data_size)
+      throw FormatError(
+          fmt::format("{}: restore record covers {} of {} original data bytes", label, pos, data_size));
+  }
+
+  const CodecOptions copts = codec_options(job.opt);
+  std::uint8_t len8[8];
+  const std::uint64_t n = H.size();
+  std::memcpy(len8, &n, 8);
+  std::uint32_t fc = crc_of(std::span<const std::uint8_t>(len8, 8));
+  fc = crc_join(fc, crc_of(H), H.size());
+  if (out) {
+    out->write(std::span<const std::uint8_t>(len8, 8));
+    out->write(H);
+  }
+  std::size_t gi = 0;
+  auto emit_gaps_before = [&](std::uint64_t limit) {
+    while (gi < info.gaps.size() && info.gaps[gi].offset < limit) {
+      const auto& g = info.gaps[gi++];
+      fc = crc_join(fc, crc_of(g.bytes), g.bytes.size());
+      if (out) out->write(g.bytes);
+    }
+  };
+  for (const auto* t : order) {
+    emit_gaps_before(t->begin);
+    TensorReport tr = base_report(file, *t);
+    std::uint64_t stored = t->nbytes();
+    std::uint32_t c32 = 0;
+    if (const CsfEntry* e = info.find(t->name)) {
+      CsfTensor enc = load_parts(c, *e, label);
+      if (enc.source_bytes() != t->nbytes())
+        throw FormatError(fmt::format("{}: tensor '{}': grid of {} bytes for a tensor of {}", label, t->name,
+                                      enc.source_bytes(), t->nbytes()));
+      std::vector<std::uint8_t> buf(t->nbytes());
+      decode(enc, e->grid.layout, buf, copts, /*trusted=*/true);
+      c32 = crc_of(buf);
+      if (c32 != e->crc32)
+        throw CorruptData(
+            fmt::format("{}: tensor '{}': CRC32 of the decoded tensor is {:08x}, expected {:08x}", label,
+                        t->name, c32, e->crc32));
+      if (out) out->write(buf);
+      tr.action = TensorAction::csf;
+      tr.format = e->grid.format;
+      tr.layer = e->layer;
+      tr.stats = stats(enc);
+      stored = enc.encoded_bytes();
+    } else {
+      const st::TensorInfo* ct = c.find(t->name);
+      if (!ct) throw FormatError(fmt::format("{}: tensor '{}' of the original is missing", label, t->name));
+      if (ct->dtype != t->dtype || ct->shape != t->shape)
+        throw FormatError(
+            fmt::format("{}: tensor '{}': dtype/shape differ from the original header", label, t->name));
+      auto want = info.native_crc32.find(t->name);
+      if (want == info.native_crc32.end())
+        throw FormatError(fmt::format("{}: tensor '{}': no CRC32 in the restore record", label, t->name));
+      const auto data = c.data(*ct);
+      c32 = crc_of(data);
+      if (c32 != want->second)
+        throw CorruptData(fmt::format("{}: tensor '{}': CRC32 is {:08x}, expected {:08x}", label, t->name,
+                                      c32, want->second));
+      if (out) out->write(data);
+      if (auto k = info.native_kept.find(t->name); k != info.native_kept.end()) {
+        tr.action = TensorAction::native_kept;
+        tr.format = k->second.format;
+        tr.reason = k->second.reason;
+        tr.layer = k->second.layer;
+      }
+    }
+    fc = crc_join(fc, c32, t->nbytes());
+    if (rep) {
+      add_totals(*rep, tr, t->nbytes(), stored);
+      rep->tensors.push_back(std::move(tr));
+    }
+    job.tick(t->nbytes(), file, t->name);
+  }
+  emit_gaps_before(UINT64_MAX);
+  if (fc != info.original_file_crc32)
+    throw CorruptData(fmt::format("{}: CRC32 of the restored file is {:08x}, expected {:08x}", label, fc,
+                                  info.original_file_crc32));
+  if (out && out->position() != info.original_file_size)
+    throw FormatError(
+        fmt::format("{}: restored {} bytes, expected {}", label, out->position(), info.original_file_size));
+}
+
+std::optional<ContainerInfo> container_info(const st::File& f) {
+  return get_container_metadata(f.header().metadata, f.path().string());
+}
+
+// --- output rules ----------------------------------------------------------
+void check_paths(const fs::path& in, const fs::path& out) {
+  std::error_code ec;
+  if (!fs::exists(in, ec)) throw InvalidArgument(fmt::format("input {} does not exist", in.string()));
+  if (fs::exists(fs::symlink_status(out, ec))) {
+    if (fs::equivalent(in, out, ec))
+      throw InvalidArgument(fmt::format("output {} is the input", out.string()));
+    throw InvalidArgument(fmt::format("output {} already exists; refusing to overwrite", out.string()));
+  }
+  const fs::path ain = fs::weakly_canonical(in, ec), aout = fs::weakly_canonical(out, ec);
+  if (ain == aout) throw InvalidArgument(fmt::format("output {} is the input", out.string()));
+  if (fs::is_directory(in)) {
+    auto [a, b] = std::mismatch(ain.begin(), ain.end(), aout.begin(), aout.end());
+    if (a == ain.end())
+      throw InvalidArgument(
+          fmt::format("output {} lies inside the input folder {}", out.string(), in.string()));
+  }
+  fs::path parent = out.parent_path();
+  if (parent.empty()) parent = ".";
+  if (!fs::is_directory(parent, ec))
+    throw InvalidArgument(fmt::format("output folder {} does not exist", parent.string()));
+}
+
+// A folder built beside its destination and renamed onto it at the end.
+class TempDir {
+ public:
+  explicit TempDir(fs::path dest) : dest_(std::move(dest)) {
+    fs::path parent = dest_.parent_path();
+    if (parent.empty()) parent = ".";
+    tmp_ = parent / fmt::format(".{}.tmp-{}", dest_.filename().string(), static_cast<long>(::getpid()));
+    std::error_code ec;
+    if (!fs::create_directory(tmp_, ec) || ec)
+      throw IoError(fmt::format("{}: cannot create temporary folder: {}", tmp_.string(),
+                                ec ? ec.message() : "already exists"));
+  }
+  ~TempDir() {
+    if (!done_) {
+      std::error_code ec;
+      fs::remove_all(tmp_, ec);
+    }
+  }
+  const fs::path& path() const { return tmp_; }
+  void commit() {
+    if (::renameat2(AT_FDCWD, tmp_.c_str(), AT_FDCWD, dest_.c_str(), RENAME_NOREPLACE) != 0) {
+      if (errno == EEXIST)
+        throw InvalidArgument(fmt::format("output {} already exists; refusing to overwrite", dest_.string()));
+      throw IoError(fmt::format("{}: cannot rename {} into place: {}", dest_.string(), tmp_.string(),
+                                std::strerror(errno)));
+    }
+    done_ = true;
+  }
+
+ private:
+  fs::path dest_, tmp_;
+  bool done_ = false;
+};
+
+void copy_plain(const fs::path& from, const fs::path& to) {
+  std::error_code ec;
+  if (fs::is_directory(from, ec)) {
+    fs::copy(from, to, fs::copy_options::recursive, ec);
+  } else {
+    fs::copy_file(from, to, fs::copy_options::none, ec);
+  }
+  if (ec) throw IoError(fmt::format("cannot copy {} to {}: {}", from.string(), to.string(), ec.message()));
+}
+
+// The folder's entries, split into safetensors files (validated, opened) and others.
+struct Folder {
+  std::vector<std::pair<std::string, st::File>> files;  // sorted by name
+  std::vector<std::string> others;                      // index excluded
+  std::optional<st::ShardIndex> index;
+};
+
+Folder open_folder(const fs::path& in) {
+  Folder f;
+  std::vector<std::string> names;
+  for (const auto& de : fs::directory_iterator(in)) names.push_back(de.path().filename().string());
+  std::sort(names.begin(), names.end());
+  for (const auto& n : names) {
+    if (n == st::kIndexFileName) {
+      st::resolve_inside(in, n, (in / n).string());
+      f.index = st::read_shard_index(in / n);
+    } else if (ends_with(n, ".safetensors")) {
+      const fs::path p = st::resolve_inside(in, n, in.string());
+      f.files.emplace_back(n, st::File::open(p));
+    } else {
+      f.others.push_back(n);
+    }
+  }
+  return f;
+}
+
+const st::File* shard(const Folder& f, const std::string& name) {
+  for (const auto& [n, file] : f.files)
+    if (n == name) return &file;
+  return nullptr;
+}
+
+void check_index_tensors(const Folder& f, const fs::path& in) {
+  if (!f.index) return;
+  const std::string label = (in / st::kIndexFileName).string();
+  for (const auto& [tensor, s] : f.index->weight_map) {
+    const st::File* file = shard(f, s);
+    if (!file)
+      throw FormatError(
+          fmt::format("{}: weight_map['{}']: shard '{}' is not a safetensors file", label, tensor, s));
+    if (!file->find(tensor))
+      throw FormatError(fmt::format("{}: weight_map['{}']: shard '{}' has no such tensor", label, tensor, s));
+  }
+}
+
+std::string rewrite_index(const st::ShardIndex& idx, const std::map<std::string, std::set<std::string>>& csf,
+                          std::uint64_t total_stored, const std::string& label) {
+  ojson orig;
+  try {
+    orig = ojson::parse(idx.raw);
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(fmt::format("{}: not valid JSON: {}", label, e.what()));
+  }
+  ojson wm = ojson::object();
+  for (const auto& [tensor, s] : idx.weight_map) {
+    auto it = csf.find(s);
+    if (it != csf.end() && it->second.count(tensor)) {
+      const auto p = part_names(tensor);
+      for (const auto* n : {&p.fixed, &p.exceptions, &p.row_prefix, &p.partition_index}) wm[*n] = s;
+    } else {
+      wm[tensor] = s;
+    }
+  }
+  ojson mark = ojson::object();
+  mark["version"] = kContainerVersion;
+  mark["original_index"] = idx.raw;
+  mark["original_index_crc32"] = crc_of(idx.raw);
+  ojson out = ojson::object();
+  ojson meta = ojson::object();
+  if (auto m = orig.find("metadata"); m != orig.end() && m->is_object()) meta = *m;
+  if (auto ts = meta.find("total_size"); ts != meta.end() && ts->is_number()) *ts = total_stored;
+  meta[kIndexKey] = std::move(mark);
+  out["metadata"] = std::move(meta);
+  for (auto it = orig.begin(); it != orig.end(); ++it) {
+    if (it.key() == "metadata") continue;
+    out[it.key()] = it.key() == "weight_map" ? wm : it.value();
+  }
+  return out.dump(2) + "\n";
+}
+
+// The original index bytes, if `raw` is a rewritten index; CorruptData on a CRC mismatch.
+std::optional<std::string> original_index(const std::string& raw, const std::string& label) {
+  ojson j;
+  try {
+    j = ojson::parse(raw);
+  } catch (const nlohmann::json::exception&) {
+    return std::nullopt;
+  }
+  if (!j.is_object()) return std::nullopt;
+  auto m = j.find("metadata");
+  if (m == j.end() || !m->is_object()) return std::nullopt;
+  auto k = m->find(kIndexKey);
+  if (k == m->end()) return std::nullopt;
+  if (!k->is_object() || !k->contains("original_index") || !(*k)["original_index"].is_string() ||
+      !k->contains("original_index_crc32") || !(*k)["original_index_crc32"].is_number_unsigned())
+    throw FormatError(label + ": metadata.csfmoe must hold original_index and original_index_crc32");
+  std::string o = (*k)["original_index"].get<std::string>();
+  if (crc_of(o) != (*k)["original_index_crc32"].get<std::uint64_t>())
+    throw CorruptData(label + ": CRC32 of the preserved original index does not match");
+  return o;
+}
+
+void write_file(const fs::path& dest, std::string_view bytes) {
+  st::AtomicFile f(dest);
+  f.write(bytes);
+  f.commit();
+}
+
+std::uint64_t original_data_bytes(const ContainerInfo& info) {
+  return info.original_file_size - std::min(info.original_file_size, 8 + info.original_header.size());
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+CheckpointReport compress_checkpoint(const fs::path& in, const fs::path& out,
+                                     const CompressOptions& options) {
+  check_paths(in, out);
+  CheckpointReport rep;
+  rep.path = in;
+  Job job{options};
+  if (!fs::is_directory(in)) {
+    st::File src = st::File::open(in);
+    if (container_info(src)) throw InvalidArgument(fmt::format("{} is already a CSF container", in.string()));
+    job.total = src.data_size();
+    compress_file(src, out, in.filename().string(), job, rep, true);
+    return rep;
+  }
+  Folder f = open_folder(in);
+  check_index_tensors(f, in);
+  for (const auto& [n, file] : f.files) {
+    if (container_info(file))
+      throw InvalidArgument(fmt::format("{} is already a CSF container", file.path().string()));
+    job.total += file.data_size();
+  }
+  TempDir tmp(out);
+  std::map<std::string, std::set<std::string>> csf;
+  std::uint64_t total_stored = 0;
+  for (const auto& [n, file] : f.files) {
+    FileResult r = compress_file(file, tmp.path() / n, n, job, rep, true);
+    for (const auto& t : r.stored) total_stored += t.nbytes();
+    csf[n] = std::move(r.csf_names);
+  }
+  if (f.index)
+    write_file(tmp.path() / st::kIndexFileName,
+               rewrite_index(*f.index, csf, total_stored, (in / st::kIndexFileName).string()));
+  for (const auto& n : f.others) copy_plain(in / n, tmp.path() / n);
+  tmp.commit();
+  return rep;
+}
+
+void decompress_checkpoint(const fs::path& in, const fs::path& out, const CompressOptions& options) {
+  check_paths(in, out);
+  Job job{options};
+  if (!fs::is_directory(in)) {
+    st::File c = st::File::open(in);
+    auto info = container_info(c);
+    if (!info) throw InvalidArgument(fmt::format("{} is not a CSF container", in.string()));
+    job.total = original_data_bytes(*info);
+    st::AtomicFile dest(out);
+    restore_file(c, *info, &dest, in.filename().string(), job, nullptr);
+    dest.commit();
+    return;
+  }
+  Folder f = open_folder(in);
+  std::vector<std::optional<ContainerInfo>> infos;
+  for (const auto& [n, file] : f.files) {
+    infos.push_back(container_info(file));
+    job.total += infos.back() ? original_data_bytes(*infos.back()) : file.data_size();
+  }
+  TempDir tmp(out);
+  for (std::size_t i = 0; i < f.files.size(); ++i) {
+    const auto& [n, file] = f.files[i];
+    if (!infos[i]) {
+      copy_plain(file.path(), tmp.path() / n);
+      job.tick(file.data_size(), n, "");
+      continue;
+    }
+    st::AtomicFile dest(tmp.path() / n);
+    restore_file(file, *infos[i], &dest, n, job, nullptr);
+    dest.commit();
+  }
+  if (f.index) {
+    const std::string label = (in / st::kIndexFileName).string();
+    if (auto o = original_index(f.index->raw, label))
+      write_file(tmp.path() / st::kIndexFileName, *o);
+    else
+      write_file(tmp.path() / st::kIndexFileName, f.index->raw);
+  }
+  for (const auto& n : f.others) copy_plain(in / n, tmp.path() / n);
+  tmp.commit();
+}
+
+CheckpointReport verify_checkpoint(const fs::path& in, const CompressOptions& options) {
+  CheckpointReport rep;
+  rep.path = in;
+  Job job{options};
+  auto one = [&](const st::File& file, const std::string& n) {
+    if (auto info = container_info(file)) {
+      restore_file(file, *info, nullptr, n, job, &rep);
+    } else {
+      for (const auto& t : file.tensors()) {
+        TensorReport tr = base_report(n, t);
+        add_totals(rep, tr, t.nbytes(), t.nbytes());
+        rep.tensors.push_back(std::move(tr));
+      }
+    }
+  };
+  if (!fs::is_directory(in)) {
+    st::File c = st::File::open(in);
+    if (auto info = container_info(c)) job.total = original_data_bytes(*info);
+    one(c, in.filename().string());
+    return rep;
+  }
+  Folder f = open_folder(in);
+  for (const auto& [n, file] : f.files) {
+    auto info = container_info(file);
+    job.total += info ? original_data_bytes(*info) : 0;
+  }
+  for (const auto& [n, file] : f.files) one(file, n);
+  if (f.index) {
+    const std::string label = (in / st::kIndexFileName).string();
+    if (original_index(f.index->raw, label)) check_index_tensors(f, in);
+  }
+  return rep;
+}
+
+CheckpointReport inspect_checkpoint(const fs::path& in, const CompressOptions& options) {
+  CheckpointReport rep;
+  rep.path = in;
+  Job job{options};
+  auto one = [&](const st::File& file, const std::string& n) {
+    if (auto info = container_info(file)) {
+      // Stats from the stored parts (validated, not decoded).
+      const std::string label = file.path().string();
+      const st::Header oh =
+          st::parse_header(info->original_header, original_data_bytes(*info), label + " (original header)");
+      for (const auto* t : data_order(oh)) {
+        TensorReport tr = base_report(n, *t);
+        std::uint64_t stored = t->nbytes();
+        if (const CsfEntry* e = info->find(t->name)) {
+          CsfTensor enc = load_parts(file, *e, label);
+          tr.action = TensorAction::csf;
+          tr.format = e->grid.format;
+          tr.layer = e->layer;
+          tr.stats = stats(enc);
+          stored = enc.encoded_bytes();
+        } else if (auto k = info->native_kept.find(t->name); k != info->native_kept.end()) {
+          tr.action = TensorAction::native_kept;
+          tr.format = k->second.format;
+          tr.reason = k->second.reason;
+          tr.layer = k->second.layer;
+        }
+        add_totals(rep, tr, t->nbytes(), stored);
+        rep.tensors.push_back(std::move(tr));
+        job.tick(t->nbytes(), n, t->name);
+      }
+    } else {
+      job.total += file.data_size();
+      compress_file(file, {}, n, job, rep, false);
+    }
+  };
+  if (!fs::is_directory(in)) {
+    st::File c = st::File::open(in);
+    one(c, in.filename().string());
+    return rep;
+  }
+  Folder f = open_folder(in);
+  check_index_tensors(f, in);
+  for (const auto& [n, file] : f.files) one(file, n);
+  return rep;
+}
+
+bool is_csf_container(const fs::path& file) {
+  try {
+    st::File f = st::File::open(file);
+    return f.header().metadata && f.header().metadata->count(kContainerKey) > 0;
+  } catch (const FormatError&) {
+    return false;
+  }
+}
+
+}  // namespace csfmoe

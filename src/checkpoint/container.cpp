@@ -1,0 +1,233 @@
+// Container descriptor and restore record (JSON inside __metadata__ strings).
+#include "checkpoint/container.hpp"
+
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include "csfmoe/errors.hpp"
+
+namespace csfmoe::detail {
+using ojson = nlohmann::ordered_json;
+
+PartNames part_names(const std::string& t) {
+  return {t + ".csf.fixed", t + ".csf.exceptions", t + ".csf.row_prefix", t + ".csf.partition_index"};
+}
+
+const CsfEntry* ContainerInfo::find(const std::string& name) const {
+  for (const auto& e : csf)
+    if (e.name == name) return &e;
+  return nullptr;
+}
+
+void put_container_metadata(const ContainerInfo& info, st::Metadata& md) {
+  ojson tensors = ojson::object();
+  for (const auto& e : info.csf) {
+    ojson t = ojson::object();
+    t["dtype"] = std::string(st::to_string(e.dtype));
+    t["shape"] = e.shape;
+    t["format"] = std::string(to_string(e.grid.format));
+    t["layout"] = std::string(to_string(e.grid.layout));
+    t["grid"] = {e.grid.experts, e.grid.rows, e.grid.cols};
+    t["crc32"] = e.crc32;
+    t["exceptions"] = e.exceptions;
+    t["layer"] = e.layer;
+    tensors[e.name] = std::move(t);
+  }
+  ojson desc = ojson::object();
+  desc["format"] = kFormatName;
+  desc["version"] = kContainerVersion;
+  desc["tensors"] = std::move(tensors);
+  ojson kept = ojson::object();
+  for (const auto& [k, v] : info.native_kept)
+    kept[k] = {{"format", std::string(to_string(v.format))}, {"layer", v.layer}, {"reason", v.reason}};
+  desc["native_kept"] = std::move(kept);
+  md[kContainerKey] = desc.dump();
+
+  ojson orig = ojson::object();
+  orig["version"] = kContainerVersion;
+  orig["file_size"] = info.original_file_size;
+  orig["file_crc32"] = info.original_file_crc32;
+  orig["header"] = info.original_header;
+  ojson gaps = ojson::array();
+  for (const auto& g : info.gaps) gaps.push_back(ojson::array({g.offset, base64_encode(g.bytes)}));
+  orig["gaps"] = std::move(gaps);
+  ojson crcs = ojson::object();
+  for (const auto& [k, v] : info.native_crc32) crcs[k] = v;
+  orig["native_crc32"] = std::move(crcs);
+  md[kOriginalKey] = orig.dump();
+}
+
+namespace {
+
+ojson parse_json(const std::string& text, const std::string& what) {
+  try {
+    return ojson::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(fmt::format("{}: not valid JSON: {}", what, e.what()));
+  }
+}
+
+const ojson& field(const ojson& obj, const char* key, const std::string& what) {
+  auto it = obj.find(key);
+  if (it == obj.end()) throw FormatError(fmt::format("{}: missing field '{}'", what, key));
+  return *it;
+}
+
+template <class T>
+T as_uint(const ojson& v, const std::string& what, std::uint64_t max = UINT64_MAX) {
+  if (!v.is_number_unsigned() || v.get<std::uint64_t>() > max)
+    throw FormatError(fmt::format("{}: must be an integer in [0, {}]", what, max));
+  return static_cast<T>(v.get<std::uint64_t>());
+}
+
+std::string as_string(const ojson& v, const std::string& what) {
+  if (!v.is_string()) throw FormatError(what + ": must be a string");
+  return v.get<std::string>();
+}
+
+}  // namespace
+
+std::optional<ContainerInfo> get_container_metadata(const std::optional<st::Metadata>& md,
+                                                    const std::string& label) {
+  if (!md) return std::nullopt;
+  auto dit = md->find(kContainerKey);
+  if (dit == md->end()) return std::nullopt;
+  const std::string dwhat = fmt::format("{}: __metadata__['{}']", label, kContainerKey);
+  const ojson desc = parse_json(dit->second, dwhat);
+  if (!desc.is_object()) throw FormatError(dwhat + ": not an object");
+  if (as_string(field(desc, "format", dwhat), dwhat + ".format") != kFormatName)
+    throw FormatError(dwhat + ": format is not " + kFormatName);
+  const int version = as_uint<int>(field(desc, "version", dwhat), dwhat + ".version", 1u << 30);
+  if (version > kContainerVersion)
+    throw Unsupported(fmt::format("{}: container version {} is newer than this build supports ({})", label,
+                                  version, kContainerVersion));
+  ContainerInfo info;
+  const ojson& tensors = field(desc, "tensors", dwhat);
+  if (!tensors.is_object()) throw FormatError(dwhat + ".tensors: not an object");
+  for (auto it = tensors.begin(); it != tensors.end(); ++it) {
+    const std::string what = fmt::format("{}: tensor '{}'", dwhat, it.key());
+    const ojson& t = it.value();
+    if (!t.is_object()) throw FormatError(what + ": not an object");
+    CsfEntry e;
+    e.name = it.key();
+    const std::string dt = as_string(field(t, "dtype", what), what + ".dtype");
+    auto d = st::parse_dtype(dt);
+    if (!d) throw FormatError(what + ": unknown dtype '" + dt + "'");
+    e.dtype = *d;
+    const ojson& shape = field(t, "shape", what);
+    if (!shape.is_array()) throw FormatError(what + ".shape: not an array");
+    for (const auto& s : shape) e.shape.push_back(as_uint<std::uint64_t>(s, what + ".shape"));
+    try {
+      e.grid.format = parse_scale_format(as_string(field(t, "format", what), what + ".format"));
+      e.grid.layout = parse_scale_layout(as_string(field(t, "layout", what), what + ".layout"));
+    } catch (const InvalidArgument& x) {
+      throw FormatError(what + ": " + x.what());
+    }
+    const ojson& grid = field(t, "grid", what);
+    if (!grid.is_array() || grid.size() != 3) throw FormatError(what + ".grid: must be [E, R, C]");
+    e.grid.experts = as_uint<std::uint32_t>(grid[0], what + ".grid[0]", UINT32_MAX);
+    e.grid.rows = as_uint<std::uint32_t>(grid[1], what + ".grid[1]", UINT32_MAX);
+    e.grid.cols = as_uint<std::uint32_t>(grid[2], what + ".grid[2]", UINT32_MAX);
+    e.crc32 = as_uint<std::uint32_t>(field(t, "crc32", what), what + ".crc32", UINT32_MAX);
+    e.exceptions = as_uint<std::uint64_t>(field(t, "exceptions", what), what + ".exceptions");
+    if (auto l = t.find("layer"); l != t.end()) e.layer = as_string(*l, what + ".layer");
+    info.csf.push_back(std::move(e));
+  }
+  if (auto k = desc.find("native_kept"); k != desc.end()) {
+    if (!k->is_object()) throw FormatError(dwhat + ".native_kept: not an object");
+    for (auto it = k->begin(); it != k->end(); ++it) {
+      const std::string what = dwhat + ".native_kept['" + it.key() + "']";
+      if (!it.value().is_object()) throw FormatError(what + ": not an object");
+      KeptNative kn;
+      try {
+        kn.format = parse_scale_format(as_string(field(it.value(), "format", what), what + ".format"));
+      } catch (const InvalidArgument& x) {
+        throw FormatError(what + ": " + x.what());
+      }
+      kn.layer = as_string(field(it.value(), "layer", what), what + ".layer");
+      kn.reason = as_string(field(it.value(), "reason", what), what + ".reason");
+      info.native_kept[it.key()] = std::move(kn);
+    }
+  }
+
+  auto oit = md->find(kOriginalKey);
+  const std::string owhat = fmt::format("{}: __metadata__['{}']", label, kOriginalKey);
+  if (oit == md->end()) throw FormatError(owhat + ": missing (needed to restore the original file)");
+  const ojson orig = parse_json(oit->second, owhat);
+  if (!orig.is_object()) throw FormatError(owhat + ": not an object");
+  info.original_file_size = as_uint<std::uint64_t>(field(orig, "file_size", owhat), owhat + ".file_size");
+  info.original_file_crc32 =
+      as_uint<std::uint32_t>(field(orig, "file_crc32", owhat), owhat + ".file_crc32", UINT32_MAX);
+  info.original_header = as_string(field(orig, "header", owhat), owhat + ".header");
+  const ojson& gaps = field(orig, "gaps", owhat);
+  if (!gaps.is_array()) throw FormatError(owhat + ".gaps: not an array");
+  for (const auto& g : gaps) {
+    if (!g.is_array() || g.size() != 2) throw FormatError(owhat + ".gaps: entries must be [offset, base64]");
+    Gap gap;
+    gap.offset = as_uint<std::uint64_t>(g[0], owhat + ".gaps offset");
+    gap.bytes = base64_decode(as_string(g[1], owhat + ".gaps bytes"), owhat + ".gaps");
+    info.gaps.push_back(std::move(gap));
+  }
+  const ojson& crcs = field(orig, "native_crc32", owhat);
+  if (!crcs.is_object()) throw FormatError(owhat + ".native_crc32: not an object");
+  for (auto it = crcs.begin(); it != crcs.end(); ++it)
+    info.native_crc32[it.key()] =
+        as_uint<std::uint32_t>(it.value(), owhat + ".native_crc32['" + it.key() + "']", UINT32_MAX);
+  return info;
+}
+
+namespace {
+constexpr char kB64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+}
+
+std::string base64_encode(std::string_view in) {
+  std::string out;
+  out.reserve((in.size() + 2) / 3 * 4);
+  std::size_t i = 0;
+  for (; i + 3 <= in.size(); i += 3) {
+    const std::uint32_t v = (std::uint32_t(std::uint8_t(in[i])) << 16) |
+                            (std::uint32_t(std::uint8_t(in[i + 1])) << 8) | std::uint8_t(in[i + 2]);
+    out += kB64[v >> 18];
+    out += kB64[(v >> 12) & 63];
+    out += kB64[(v >> 6) & 63];
+    out += kB64[v & 63];
+  }
+  if (const std::size_t rest = in.size() - i) {
+    std::uint32_t v = std::uint32_t(std::uint8_t(in[i])) << 16;
+    if (rest == 2) v |= std::uint32_t(std::uint8_t(in[i + 1])) << 8;
+    out += kB64[v >> 18];
+    out += kB64[(v >> 12) & 63];
+    out += rest == 2 ? kB64[(v >> 6) & 63] : '=';
+    out += '=';
+  }
+  return out;
+}
+
+std::string base64_decode(std::string_view in, const std::string& what) {
+  if (in.size() % 4) throw FormatError(what + ": base64 length is not a multiple of 4");
+  auto val = [&](char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    throw FormatError(what + ": invalid base64 character");
+  };
+  std::string out;
+  out.reserve(in.size() / 4 * 3);
+  for (std::size_t i = 0; i < in.size(); i += 4) {
+    const bool last = i + 4 == in.size();
+    const int pad = last ? (in[i + 3] == '=') + (in[i + 2] == '=') : 0;
+    if (pad == 1 && in[i + 2] == '=') throw FormatError(what + ": invalid base64 padding");
+    const std::uint32_t v = (std::uint32_t(val(in[i])) << 18) | (std::uint32_t(val(in[i + 1])) << 12) |
+                            (pad >= 2 ? 0u : std::uint32_t(val(in[i + 2])) << 6) |
+                            (pad >= 1 ? 0u : std::uint32_t(val(in[i + 3])));
+    out += char(v >> 16);
+    if (pad < 2) out += char((v >> 8) & 0xFF);
+    if (pad < 1) out += char(v & 0xFF);
+  }
+  return out;
+}
+
+}  // namespace csfmoe::detail

@@ -1,0 +1,67 @@
+// The CSF container's metadata (internal; docs/container-format.md is the spec).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "csfmoe/codec.hpp"
+#include "csfmoe/safetensors.hpp"
+
+namespace csfmoe::detail {
+
+inline constexpr int kContainerVersion = 1;
+inline constexpr const char* kContainerKey = "csfmoe.container";  // __metadata__ key of the descriptor
+inline constexpr const char* kOriginalKey = "csfmoe.original";    // __metadata__ key of the restore record
+inline constexpr const char* kFormatName = "csfmoe-csf";
+
+// Part tensor names of a compressed tensor.
+struct PartNames {
+  std::string fixed, exceptions, row_prefix, partition_index;
+};
+PartNames part_names(const std::string& tensor);
+
+struct CsfEntry {
+  std::string name;  // original tensor name
+  st::Dtype dtype = st::Dtype::U8;
+  std::vector<std::uint64_t> shape;  // logical (original) shape
+  GridShape grid;
+  std::uint32_t crc32 = 0;  // zlib crc32 of the original tensor bytes
+  std::uint64_t exceptions = 0;
+  std::string layer;
+};
+
+struct KeptNative {
+  ScaleFormat format = ScaleFormat::nvfp4;
+  std::string layer;
+  std::string reason;
+};
+
+struct Gap {
+  std::uint64_t offset = 0;  // inside the original data section
+  std::string bytes;
+};
+
+struct ContainerInfo {
+  std::vector<CsfEntry> csf;    // in original data order
+  std::string original_header;  // N bytes verbatim
+  std::uint64_t original_file_size = 0;
+  std::uint32_t original_file_crc32 = 0;
+  std::vector<Gap> gaps;                              // data-section bytes outside every tensor
+  std::map<std::string, std::uint32_t> native_crc32;  // every original tensor not stored as CSF
+  std::map<std::string, KeptNative> native_kept;      // block-scale tensors kept native, and why
+  const CsfEntry* find(const std::string& name) const;
+};
+
+// Adds the two metadata entries to `md` (which holds the original's metadata, if any).
+void put_container_metadata(const ContainerInfo& info, st::Metadata& md);
+// Reads them back; std::nullopt if the file is not a container; FormatError if malformed.
+std::optional<ContainerInfo> get_container_metadata(const std::optional<st::Metadata>& md,
+                                                    const std::string& label);
+
+std::string base64_encode(std::string_view in);
+std::string base64_decode(std::string_view in, const std::string& what);  // FormatError on bad input
+
+}  // namespace csfmoe::detail
