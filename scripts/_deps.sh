@@ -1,0 +1,31 @@
+# Sourced by scripts/test and scripts/demo: installs the Debian packages the
+# build needs, but only those missing (apt-get update once, when needed).
+csfmoe_install_deps() {
+  local pkgs=(cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev libfmt-dev zlib1g-dev)
+  local missing=()
+  local p
+  for p in "${pkgs[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+  done
+  if ((${#missing[@]} == 0)); then
+    return 0
+  fi
+  echo "installing: ${missing[*]}" >&2
+  local sudo=()
+  if [[ $(id -u) -ne 0 ]]; then sudo=(sudo); fi
+  "${sudo[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+}
+
+# Configures and builds build/ (Release); CUDA kernels compile when nvcc is found.
+csfmoe_build() {
+  local root=$1
+  shift
+  local build=${CSFMOE_BUILD_DIR:-$root/build}
+  local cmake_args=(-S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release)
+  if ! command -v nvcc >/dev/null 2>&1 && [[ -x /usr/local/cuda/bin/nvcc ]]; then
+    export PATH=/usr/local/cuda/bin:$PATH
+  fi
+  cmake "${cmake_args[@]}"
+  cmake --build "$build" -j "$(nproc)" "$@"
+}

@@ -1,0 +1,131 @@
+// csf: compress, restore, verify and inspect the FP4 block scales of
+// safetensors checkpoints. Errors end as one line `csf: error: ...` on
+// stderr with exit code 1; command-line mistakes exit with 2.
+#include <fmt/core.h>
+
+#include <CLI/CLI.hpp>
+#include <exception>
+#include <string>
+
+#include "cli.hpp"
+#include "csfmoe/errors.hpp"
+
+namespace {
+
+constexpr const char* CSF_VERSION = "0.1.0";
+
+std::string one_line(std::string s) {
+  for (auto& c : s)
+    if (c == '\n' || c == '\r') c = ' ';
+  while (!s.empty() && s.back() == ' ') s.pop_back();
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace csfmoe::cli;
+  CLI::App app{"csf: lossless CSF compression of NVFP4/MXFP4 block scales in safetensors checkpoints"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("csf ") + CSF_VERSION);
+
+  const auto layouts = CLI::IsMember({"row_major", "swizzled_128x4"});
+  const auto formats = CLI::IsMember({"nvfp4", "mxfp4"});
+
+  InspectArgs inspect;
+  auto* c_inspect =
+      app.add_subcommand("inspect", "Per-tensor statistics of a native or compressed checkpoint");
+  c_inspect->add_option("path", inspect.path, "safetensors file or checkpoint folder")->required();
+  c_inspect->add_flag("--json", inspect.json, "machine-readable JSON on stdout");
+  c_inspect->add_option("--layout", inspect.layout, "layout of the source scale tensors")->check(layouts);
+  c_inspect->add_option("--threads", inspect.threads, "worker threads (0: all cores)");
+
+  CompressArgs compress;
+  auto* c_compress = app.add_subcommand("compress", "Compress the block-scale tensors into CSF");
+  c_compress->add_option("in", compress.in, "safetensors file or checkpoint folder")->required();
+  c_compress->add_option("out", compress.out, "output file or folder (must not exist)")->required();
+  c_compress->add_option("--threads", compress.threads, "worker threads (0: all cores)");
+  c_compress->add_option("--layout", compress.layout, "layout of the source scale tensors")->check(layouts);
+  c_compress->add_flag("--quiet,-q", compress.quiet, "no progress and no table");
+
+  CompressArgs decompress;
+  auto* c_decompress = app.add_subcommand("decompress", "Restore the original checkpoint byte for byte");
+  c_decompress->add_option("in", decompress.in, "compressed file or folder")->required();
+  c_decompress->add_option("out", decompress.out, "output file or folder (must not exist)")->required();
+  c_decompress->add_option("--threads", decompress.threads, "worker threads (0: all cores)");
+  c_decompress->add_flag("--quiet,-q", decompress.quiet, "no progress");
+
+  InspectArgs verify;
+  auto* c_verify = app.add_subcommand("verify", "Decode every CSF tensor and check its CRC");
+  c_verify->add_option("path", verify.path, "compressed file or folder")->required();
+  c_verify->add_option("--threads", verify.threads, "worker threads (0: all cores)");
+
+  QuantizeArgs quantize;
+  auto* c_quantize =
+      app.add_subcommand("quantize", "Quantize BF16/F16/F32 weight matrices to NVFP4 or MXFP4");
+  c_quantize->add_option("in", quantize.in, "BF16/F16/F32 safetensors file")->required();
+  c_quantize->add_option("out", quantize.out, "output safetensors file (must not exist)")->required();
+  c_quantize->add_option("--format", quantize.format, "nvfp4 (ModelOpt names) or mxfp4 (gpt-oss names)")
+      ->required()
+      ->check(formats);
+  c_quantize->add_option("--include", quantize.include, "ECMAScript regex a tensor name must match")
+      ->capture_default_str();
+  c_quantize
+      ->add_option("--min-rows", quantize.min_rows, "quantize only matrices with at least this many rows")
+      ->capture_default_str();
+  c_quantize->add_flag("--quiet,-q", quantize.quiet, "print nothing on success");
+
+  DemoArgs demo;
+  auto* c_demo =
+      app.add_subcommand("demo", "compress -> inspect -> decompress -> verify on the bundled sample");
+  c_demo->add_option("--data", demo.data, "folder with the sample .safetensors files (default: data/)");
+  c_demo->add_flag("--keep", demo.keep, "keep the temporary folder");
+  c_demo->add_option("--threads", demo.threads, "worker threads (0: all cores)");
+
+  SynthArgs synth;
+  auto* c_synth = app.add_subcommand("synth", "Write a synthetic MoE checkpoint of a real model's geometry");
+  c_synth->add_option("out", synth.out, "output safetensors file (must not exist)")->required();
+  c_synth->add_option("--model", synth.model, "geometry")
+      ->required()
+      ->check(CLI::IsMember({"deepseek-v3", "kimi-k2", "qwen3-30b-a3b", "qwen3-235b-a22b"}));
+  c_synth->add_option("--format", synth.format, "nvfp4 or mxfp4")->required()->check(formats);
+  c_synth->add_option("--experts", synth.experts, "experts per layer (default: the model's)")
+      ->check(CLI::PositiveNumber);
+  c_synth->add_option("--layers", synth.layers, "MoE layers")
+      ->check(CLI::Range(1u, 4096u))
+      ->capture_default_str();
+  c_synth->add_option("--seed", synth.seed, "random seed")->capture_default_str();
+  c_synth->add_option("--layout", synth.layout, "layout of the written scale tensors")->check(layouts);
+  c_synth->add_flag("--quiet,-q", synth.quiet, "print nothing on success");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion&) {
+    fmt::print("csf {}\n", CSF_VERSION);
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    fmt::print(stderr, "csf: usage error: {} (see csf --help)\n", one_line(e.what()));
+    return 2;
+  }
+
+  try {
+    if (c_inspect->parsed()) return run_inspect(inspect);
+    if (c_compress->parsed()) return run_compress(compress);
+    if (c_decompress->parsed()) return run_decompress(decompress);
+    if (c_verify->parsed()) return run_verify(verify);
+    if (c_quantize->parsed()) return run_quantize(quantize);
+    if (c_demo->parsed()) return run_demo(demo);
+    if (c_synth->parsed()) return run_synth(synth);
+  } catch (const UsageError& e) {
+    fmt::print(stderr, "csf: usage error: {}\n", one_line(e.what()));
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "csf: error: {}\n", one_line(e.what()));
+    return 1;
+  }
+  return 2;
+}
