@@ -1,0 +1,266 @@
+"""Fused MoE ops and PreparedExperts (plan -> prepare -> call).
+
+The CPU path is the library's float64 reference (csfmoe::moe_reference);
+the CUDA path binds the GPU kernels when this build has them
+(csfmoe._csfmoe.has_moe_cuda)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional, Union
+
+import torch
+
+from . import _csfmoe as _C
+from . import ops
+from ._errors import InvalidArgument, Unsupported
+from .scales import CsfScales
+
+__all__ = ["moe_reference", "fused_moe", "PreparedExperts", "plan_moe", "prepare_experts", "moe_call"]
+
+_FP32 = (torch.float32,)
+
+
+def plan_moe(format: str, experts: int, hidden: int, intermediate: int, topk: int, order: str = "w13",
+             compression: str = "none", max_tokens: int = 4096, stage_read_max_tokens: int = 1536,
+             scale_layout: str = "row_major") -> dict:
+    """csfmoe::plan_weights: validates the layer geometry (InvalidArgument
+    naming the field) and returns the byte sizes and scale grid shapes."""
+    return dict(_C.moe_plan(format, experts, hidden, intermediate, topk, order, compression, max_tokens,
+                            stage_read_max_tokens, scale_layout))
+
+
+def _check_layer(hidden, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids, topk_weights, format):
+    ops._check_choice("format", format, ops.FORMATS)
+    g = 16 if format == "nvfp4" else 32
+    ops._check_tensor(hidden, "hidden", (torch.bfloat16,), 2)
+    dev = hidden.device
+    ops._check_tensor(w13, "w13", (torch.uint8,), 3, dev)
+    e, two_n, h_half = (int(s) for s in w13.shape)
+    t, h = (int(s) for s in hidden.shape)
+    n = two_n // 2
+    if two_n % 2 or h_half * 2 != h:
+        raise InvalidArgument(f"w13: expected [E, 2N, H/2] with H={h}, got {list(w13.shape)}")
+    for name, ten, shape, dts in (
+        ("w2", w2, (e, h, n // 2), (torch.uint8,)),
+        ("w13_scale", w13_scale, (e, two_n, h // g), ops.BYTE_DTYPES),
+        ("w2_scale", w2_scale, (e, h, n // g), ops.BYTE_DTYPES),
+        ("w13_global", w13_global, (e,), _FP32),
+        ("w2_global", w2_global, (e,), _FP32),
+    ):
+        ops._check_tensor(ten, name, dts, None, dev)
+        if tuple(ten.shape) != shape:
+            raise InvalidArgument(f"{name}: expected shape {list(shape)}, got {list(ten.shape)}")
+    ops._check_tensor(topk_ids, "topk_ids", ops.INDEX_DTYPES, 2, dev)
+    ops._check_tensor(topk_weights, "topk_weights", _FP32, 2, dev)
+    if topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
+        raise InvalidArgument(f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} "
+                              f"must both be [T={t}, k]")
+    return e, h, n, int(topk_ids.shape[1])
+
+
+@torch.library.custom_op("csfmoe::moe_reference", mutates_args=())
+def moe_reference(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w13_global: torch.Tensor,
+                  w2: torch.Tensor, w2_scale: torch.Tensor, w2_global: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, format: str = "nvfp4", order: str = "w13",
+                  threads: int = 0) -> torch.Tensor:
+    """CPU float64 reference of one MoE layer: float32 [T, H]. Native
+    row-major scales [E, rows, K/g]; hidden bf16 [T, H]."""
+    e, h, n, k = _check_layer(hidden, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids, topk_weights,
+                              format)
+    if hidden.device.type != "cpu":
+        raise InvalidArgument(f"hidden: moe_reference runs on the CPU, got {hidden.device}")
+    out = torch.empty(hidden.shape, dtype=torch.float32)
+    _C.moe_reference(format, e, h, n, k, order, w13, ops._u8(w13_scale), w13_global, w2, ops._u8(w2_scale),
+                     w2_global, hidden.view(torch.int16), topk_ids, topk_weights, out, threads)
+    return out
+
+
+@moe_reference.register_fake
+def _(hidden, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids, topk_weights, format="nvfp4",
+      order="w13", threads=0):
+    return hidden.new_empty(hidden.shape, dtype=torch.float32)
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              w13_scale: Union[torch.Tensor, CsfScales], w2_scale: Union[torch.Tensor, CsfScales],
+              w13_global: torch.Tensor, w2_global: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, format: str = "nvfp4", order: str = "w13",
+              scales_expanded: bool = False) -> torch.Tensor:
+    """One MoE layer call: out[t] = sum_j w[t,j] * W2[e] (SiLU(gate) * up).
+
+    CPU tensors run the reference (result cast to hidden's dtype). CsfScales
+    are decoded first. CUDA needs a build with the GPU MoE kernels."""
+    if hidden.device.type == "cuda":
+        # One-off: prepares (and synchronizes) per call. Engines keep a
+        # PreparedExperts per layer instead.
+        layer = PreparedExperts(w13, w2, w13_scale, w2_scale, w13_global, w2_global, format, order,
+                                int(topk_ids.shape[1]), max_tokens=max(int(hidden.shape[0]), 1))
+        return layer(hidden, topk_ids, topk_weights)
+    if isinstance(w13_scale, CsfScales):
+        w13_scale = w13_scale.decompress("row_major")
+    if isinstance(w2_scale, CsfScales):
+        w2_scale = w2_scale.decompress("row_major")
+    out = torch.ops.csfmoe.moe_reference(hidden, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids,
+                                         topk_weights, format, order, 0)
+    return out.to(hidden.dtype)
+
+
+# handle -> PreparedExperts for the torch op csfmoe::moe_call; weak, so a
+# layer goes away with its last user reference.
+_LAYERS = weakref.WeakValueDictionary()
+
+
+class PreparedExperts:
+    """A layer's experts made ready for repeated calls (plan -> prepare -> bind).
+
+    Mirrors the C++ lifecycle (csfmoe/moe_cuda.hpp): the constructor plans
+    (validates geometry and constraints) and prepares the weights; on CUDA
+    that encodes CSF scales on the device and synchronizes, so build it at
+    load time, before any graph capture. Each stream a call runs on is bound
+    once (its workspace allocated through torch). Calls allocate nothing but
+    the output and never synchronize: capturable with torch.cuda.graph.
+
+    compression "csf" keeps the block scales as CSF; with scales_expanded the
+    call reads scratch that `expand_scales()` filled (share one scratch
+    between layers with `scratch=(w13_scratch, w2_scratch)` and order reuse
+    with events). CPU weights run the float64 reference.
+    """
+
+    def __init__(self, w13, w2, w13_scale, w2_scale, w13_global, w2_global, format: str = "nvfp4",
+                 order: str = "w13", topk: int = 8, compression: str = "none", max_tokens: int = 4096,
+                 stage_read_max_tokens: int = 1536, scales_expanded: bool = False, scratch=None,
+                 force_mode: str = "", scale_layout: str = "row_major"):
+        ops._check_tensor(w13, "w13", (torch.uint8,), 3)
+        e, two_n, h_half = (int(s) for s in w13.shape)
+        self.format, self.order, self.topk = format, order, topk
+        self.experts, self.hidden, self.intermediate = e, h_half * 2, two_n // 2
+        self.compression, self.scales_expanded, self.max_tokens = compression, scales_expanded, max_tokens
+        self.plan = plan_moe(format, e, self.hidden, self.intermediate, topk, order, compression, max_tokens,
+                             stage_read_max_tokens, scale_layout)
+        dev = w13.device
+        self.w13, self.w2 = w13, w2
+        self.w13_global, self.w2_global = w13_global.to(torch.float32), w2_global.to(torch.float32)
+        self._layer = None
+        self._workspaces = {}
+        if dev.type == "cuda":
+            if not getattr(_C, "has_moe_cuda", False):
+                raise Unsupported("PreparedExperts on CUDA: this csfmoe build has no CUDA MoE kernels")
+            # The device path encodes native scales itself.
+            w13_scale = w13_scale.expand(scale_layout) if isinstance(w13_scale, CsfScales) else w13_scale
+            w2_scale = w2_scale.expand(scale_layout) if isinstance(w2_scale, CsfScales) else w2_scale
+            for name, t in (("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale),
+                            ("w13_global", self.w13_global), ("w2_global", self.w2_global)):
+                if t.device != dev:
+                    raise InvalidArgument(f"{name}: on {t.device}, w13 is on {dev}")
+            mx = format == "mxfp4"
+            s13 = s2 = None
+            if compression == "csf":
+                n13 = e * two_n * (self.hidden // (16 if format == "nvfp4" else 32))
+                n2 = e * self.hidden * (self.intermediate // (16 if format == "nvfp4" else 32))
+                if scratch is None or scratch[1] is None:
+                    scratch = (torch.empty(n13, dtype=torch.uint8, device=dev),
+                               torch.empty(n2, dtype=torch.uint8, device=dev))
+                s13, s2 = scratch
+            self.scratch = scratch
+            self._keep = (w13_scale, w2_scale)
+            self._layer = _C.CudaMoeLayer(
+                format, e, self.hidden, self.intermediate, topk, order, compression, max_tokens,
+                stage_read_max_tokens, scale_layout, w13, ops._u8(w13_scale), None if mx else self.w13_global, w2,
+                ops._u8(w2_scale), None if mx else self.w2_global, s13, s2, scales_expanded, force_mode,
+                ops._stream(dev))
+            if compression == "csf":
+                # The layer holds its own CSF copies: the native scales may go.
+                self._keep = None
+                self.w13_scale = self.w2_scale = None
+            else:
+                self.w13_scale, self.w2_scale = w13_scale, w2_scale
+        else:
+            if compression == "csf":
+                if not isinstance(w13_scale, CsfScales):
+                    w13_scale = CsfScales.compress(w13_scale, format)
+                if not isinstance(w2_scale, CsfScales):
+                    w2_scale = CsfScales.compress(w2_scale, format)
+            self.w13_scale, self.w2_scale = w13_scale, w2_scale
+        self.handle = id(self)
+        _LAYERS[self.handle] = self
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+    def resident_scale_bytes(self) -> int:
+        if self._layer is not None:
+            return int(self._layer.resident_scale_bytes())
+        return sum(s.nbytes if isinstance(s, CsfScales) else s.numel() for s in (self.w13_scale, self.w2_scale))
+
+    def expand_scales(self) -> None:
+        """Fill this layer's scratch with all experts' scales on the current
+        stream (for layers built with scales_expanded=True)."""
+        if self._layer is None:
+            return
+        self._layer.expand_scales(ops._stream(self.device))
+
+    def _bind(self, stream: int) -> None:
+        if not self._layer.is_bound(stream):
+            ws = torch.empty(max(int(self._layer.workspace_bytes(self.max_tokens)), 1), dtype=torch.uint8,
+                             device=self.device)
+            self._workspaces[stream] = ws
+            self._layer.bind_stream(stream, ws)
+
+    def mode_for(self, tokens: int) -> str:
+        """Scale mode a call of `tokens` tokens uses on the current stream."""
+        stream = ops._stream(self.device)
+        self._bind(stream)
+        return self._layer.mode_for(stream, tokens)
+
+    def _run(self, hidden, topk_ids, topk_weights):
+        if self._layer is None:
+            return fused_moe(hidden, self.w13, self.w2, self.w13_scale, self.w2_scale, self.w13_global,
+                             self.w2_global, topk_ids, topk_weights, self.format, self.order)
+        dev = self.device
+        ops._check_tensor(hidden, "hidden", (torch.bfloat16,), 2, dev)
+        ops._check_tensor(topk_ids, "topk_ids", ops.INDEX_DTYPES, 2, dev)
+        ops._check_tensor(topk_weights, "topk_weights", _FP32, 2, dev)
+        if hidden.shape[1] != self.hidden:
+            raise InvalidArgument(f"hidden: expected [T, {self.hidden}], got {list(hidden.shape)}")
+        if hidden.shape[0] > self.max_tokens:
+            raise InvalidArgument(f"hidden: {hidden.shape[0]} tokens exceed max_tokens {self.max_tokens}")
+        stream = ops._stream(dev)
+        self._bind(stream)
+        out = torch.empty_like(hidden)
+        self._layer.run(stream, hidden, topk_ids, topk_weights, out)
+        return out
+
+    def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if topk_ids.dim() != 2 or topk_ids.shape[1] != self.topk:
+            raise InvalidArgument(f"topk_ids: expected [T, {self.topk}], got {list(topk_ids.shape)}")
+        return torch.ops.csfmoe.moe_call(hidden, topk_ids, topk_weights, self.handle)
+
+
+@torch.library.custom_op("csfmoe::moe_call", mutates_args=())
+def moe_call(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, handle: int) -> torch.Tensor:
+    """Run the PreparedExperts registered under `handle` (its id): bf16 [T, H]."""
+    layer = _LAYERS.get(handle)
+    if layer is None:
+        raise InvalidArgument(f"moe_call: no PreparedExperts with handle {handle}")
+    return layer._run(hidden, topk_ids, topk_weights)
+
+
+@moe_call.register_fake
+def _(hidden, topk_ids, topk_weights, handle):
+    return torch.empty_like(hidden)
+
+
+def prepare_experts(layer: dict, topk: int, format: str = "nvfp4", order: str = "w13",
+                    compression: str = "none", device: Optional[Union[str, torch.device]] = None,
+                    **constraints) -> PreparedExperts:
+    """PreparedExperts from csfmoe.checkpoint.gather_moe_layer's dict."""
+    dev = torch.device(device) if device is not None else layer["w13"].device
+
+    def move(x):
+        return x.to(dev)
+
+    return PreparedExperts(move(layer["w13"]), move(layer["w2"]), move(layer["w13_scale"]),
+                           move(layer["w2_scale"]), move(layer["w13_global"]), move(layer["w2_global"]),
+                           format, order, topk, compression, **constraints)

@@ -1,0 +1,85 @@
+"""Fused MoE on the GPU against the pure-PyTorch reference, every scale
+mode, and CUDA-graph capture through torch.cuda.graph."""
+
+import pytest
+import torch
+
+import csfmoe
+from test_moe_cpu import layer, routing
+from torch_reference import moe as torch_moe
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    pytest.mark.skipif(not getattr(csfmoe._csfmoe, "has_moe_cuda", False), reason="no CUDA MoE in this build"),
+]
+
+# W4A16 kernels: BF16 products with FP32 accumulation vs float64.
+TOL = 2e-2
+
+
+def cuda_layer(L):
+    return {k: v.cuda() for k, v in L.items()}
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("compression", ["none", "csf"])
+def test_fused_moe_matches_torch(gen, fmt, compression):
+    e, h, n, t, k = 8, 256, 128, 9, 2
+    L = layer(gen, fmt, e, h, n)
+    hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    ids, wts = routing(gen, t, k, e)
+    want = torch_moe(hidden, L["w13"], L["w13_scale"], L["w13_global"], L["w2"], L["w2_scale"], L["w2_global"],
+                     ids, wts, fmt)
+    p = csfmoe.prepare_experts(cuda_layer(L), topk=k, format=fmt, compression=compression)
+    got = p(hidden.cuda(), ids.cuda(), wts.cuda())
+    torch.cuda.synchronize()
+    err = (got.cpu().double() - want).norm() / want.norm()
+    assert err < TOL, err
+
+
+def test_scale_modes_bitwise_equal(gen):
+    e, h, n, t, k = 8, 256, 128, 17, 2
+    L = cuda_layer(layer(gen, "nvfp4", e, h, n))
+    hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16).cuda()
+    ids, wts = (x.cuda() for x in routing(gen, t, k, e))
+    base = csfmoe.prepare_experts(L, topk=k)(hidden, ids, wts)
+    for mode in ("stage_read", "routed"):
+        p = csfmoe.prepare_experts(L, topk=k, compression="csf", force_mode=mode)
+        assert torch.equal(p(hidden, ids, wts), base), mode
+    p = csfmoe.prepare_experts(L, topk=k, compression="csf", scales_expanded=True)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        p.expand_scales()
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(p(hidden, ids, wts), base)
+
+
+def test_graph_capture(gen):
+    e, h, n, t, k = 8, 256, 128, 4, 2
+    L = cuda_layer(layer(gen, "nvfp4", e, h, n))
+    p = csfmoe.prepare_experts(L, topk=k, compression="csf")
+    hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16).cuda()
+    ids, wts = (x.cuda() for x in routing(gen, t, k, e))
+    eager = p(hidden, ids, wts)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = p(hidden, ids, wts)
+    # New inputs in the same buffers, then replay.
+    hidden.copy_(torch.randn(t, h, generator=gen).to(torch.bfloat16))
+    g.replay()
+    again = p(hidden, ids, wts)
+    torch.cuda.synchronize()
+    assert torch.equal(out, again)
+    assert not torch.equal(out, eager)
+
+
+def test_gpu_rejections(gen):
+    L = cuda_layer(layer(gen, "nvfp4", 4, 128, 64))
+    p = csfmoe.prepare_experts(L, topk=2)
+    hidden = torch.randn(3, 128).to(torch.bfloat16).cuda()
+    ids, wts = (x.cuda() for x in routing(gen, 3, 2, 4))
+    with pytest.raises(csfmoe.InvalidArgument, match="hidden: dtype"):
+        p(hidden.float(), ids, wts)
+    with pytest.raises(csfmoe.InvalidArgument, match="expected a tensor on cuda"):
+        p(hidden, ids.cpu(), wts)

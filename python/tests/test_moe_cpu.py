@@ -1,0 +1,78 @@
+"""The CPU reference MoE op against the pure-PyTorch reference in the tests."""
+
+import pytest
+import torch
+
+import csfmoe
+from torch_reference import moe as torch_moe
+
+pytestmark = pytest.mark.skipif(not csfmoe.has_moe, reason="this build has no MoE API")
+
+
+def layer(gen, fmt, e, h, n, order="w13", fast=False):
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+    w = csfmoe._csfmoe.synthetic_moe_weights(fmt, e, h, n, 2, order, seed, fast)
+    g = 16 if fmt == "nvfp4" else 32
+    sdt = torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8
+    return {
+        "w13": w["w13"].reshape(e, 2 * n, h // 2),
+        "w13_scale": w["w13_scale"].reshape(e, 2 * n, h // g).view(sdt),
+        "w13_global": w["w13_global"],
+        "w2": w["w2"].reshape(e, h, n // 2),
+        "w2_scale": w["w2_scale"].reshape(e, h, n // g).view(sdt),
+        "w2_global": w["w2_global"],
+    }
+
+
+def routing(gen, t, k, e):
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
+    ids[0, -1] = ids[0, 0]  # a duplicate slot adds its own contribution
+    w = torch.rand(t, k, generator=gen)
+    return ids, (w / w.sum(1, keepdim=True)).to(torch.float32)
+
+
+@pytest.mark.parametrize("fmt,order", [("nvfp4", "w13"), ("mxfp4", "w31")])
+def test_reference_op_matches_torch(gen, fmt, order):
+    e, h, n, t, k = 4, 128, 64, 5, 2
+    L = layer(gen, fmt, e, h, n, order)
+    hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    ids, wts = routing(gen, t, k, e)
+    got = torch.ops.csfmoe.moe_reference(hidden, L["w13"], L["w13_scale"], L["w13_global"], L["w2"],
+                                         L["w2_scale"], L["w2_global"], ids, wts, fmt, order, 0)
+    want = torch_moe(hidden, L["w13"], L["w13_scale"], L["w13_global"], L["w2"], L["w2_scale"], L["w2_global"],
+                     ids, wts, fmt, order)
+    err = (got.double() - want).norm() / want.norm()
+    assert err < 1e-6, err
+
+
+def test_prepared_experts_csf_equals_native(gen):
+    e, h, n, t = 4, 128, 64, 3
+    L = layer(gen, "nvfp4", e, h, n)
+    hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    ids, wts = routing(gen, t, 2, e)
+    native = csfmoe.prepare_experts(L, topk=2)
+    csf = csfmoe.prepare_experts(L, topk=2, compression="csf")
+    assert isinstance(csf.w13_scale, csfmoe.CsfScales)
+    a = native(hidden, ids, wts)
+    b = csf(hidden, ids, wts)
+    assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+def test_moe_rejections(gen):
+    e, h, n = 2, 128, 64
+    L = layer(gen, "nvfp4", e, h, n)
+    hidden = torch.randn(2, h, generator=gen).to(torch.bfloat16)
+    ids, wts = routing(gen, 2, 2, e)
+    args = [L["w13"], L["w13_scale"], L["w13_global"], L["w2"], L["w2_scale"], L["w2_global"]]
+    with pytest.raises(csfmoe.InvalidArgument, match="hidden: dtype"):
+        torch.ops.csfmoe.moe_reference(hidden.float(), *args, ids, wts)
+    with pytest.raises(csfmoe.InvalidArgument, match="w2: expected shape"):
+        bad = list(args)
+        bad[3] = bad[3][:, :64].contiguous()
+        torch.ops.csfmoe.moe_reference(hidden, *bad, ids, wts)
+    bad_ids = ids.clone()
+    bad_ids[1, 1] = e  # out of range: the C++ reference names token and slot
+    with pytest.raises(csfmoe.InvalidArgument, match=r"topk_ids\[1, 1\]"):
+        torch.ops.csfmoe.moe_reference(hidden, *args, bad_ids, wts)
+    with pytest.raises(csfmoe.InvalidArgument, match="multiple|hidden|64"):
+        csfmoe.plan_moe("nvfp4", 4, 100, 64, 2)
