@@ -29,6 +29,11 @@ struct CompressOptions {
   ScaleLayout layout = ScaleLayout::row_major;      // how scale tensors are laid out in the source
   bool keep_unprofitable = true;                    // keep a tensor native when CSF would be larger
   ProgressFn progress;                              // optional
+  // compress only: tensor-parallel slice to store (tp > 1): MoE expert
+  // projections are cut along N for rank tp_rank before encoding; the output
+  // records tp/rank and decompresses to the sliced native file (see
+  // docs/container-format.md, "Tensor-parallel slices").
+  unsigned tp = 1, tp_rank = 0;
 };
 
 // What happened to one tensor.

@@ -16,6 +16,7 @@
 
 #include "checkpoint/container.hpp"
 #include "checkpoint/detect.hpp"
+#include "checkpoint/tp_slice.hpp"
 #include "csfmoe/errors.hpp"
 #include "csfmoe/safetensors.hpp"
 
@@ -541,10 +542,28 @@ class TempDir {
   bool done_ = false;
 };
 
+// A top-level entry copied unchanged must not, through a symlink, bring a
+// file from elsewhere on this machine into the output, nor be a loop.
+void check_plain_entry(const fs::path& folder, const std::string& name) {
+  const fs::path p = folder / name;
+  std::error_code ec;
+  if (!fs::is_symlink(fs::symlink_status(p, ec))) return;
+  (void)fs::status(p, ec);
+  if (ec == std::errc::too_many_symbolic_link_levels)
+    throw FormatError(fmt::format("{}: '{}' is a symlink loop ({})", folder.string(), name, ec.message()));
+  if (ec) throw FormatError(fmt::format("{}: '{}' is a dangling symlink ({})", folder.string(), name, ec.message()));
+  const fs::path target = fs::canonical(p, ec), base = fs::canonical(folder, ec);
+  auto [b, t] = std::mismatch(base.begin(), base.end(), target.begin(), target.end());
+  if (ec || b != base.end() || t == target.end())
+    throw FormatError(
+        fmt::format("{}: '{}' is a symlink that leaves the folder ({})", folder.string(), name, target.string()));
+}
+
 void copy_plain(const fs::path& from, const fs::path& to) {
   std::error_code ec;
   if (fs::is_directory(from, ec)) {
-    fs::copy(from, to, fs::copy_options::recursive, ec);
+    // Symlinks inside sub-folders are copied as links, never followed.
+    fs::copy(from, to, fs::copy_options::recursive | fs::copy_options::copy_symlinks, ec);
   } else {
     fs::copy_file(from, to, fs::copy_options::none, ec);
   }
@@ -571,6 +590,7 @@ Folder open_folder(const fs::path& in) {
       const fs::path p = st::resolve_inside(in, n, in.string());
       f.files.emplace_back(n, st::File::open(p));
     } else {
+      check_plain_entry(in, n);
       f.others.push_back(n);
     }
   }
@@ -669,6 +689,18 @@ std::uint64_t original_data_bytes(const ContainerInfo& info) {
 CheckpointReport compress_checkpoint(const fs::path& in, const fs::path& out,
                                      const CompressOptions& options) {
   check_paths(in, out);
+  if (options.tp != 1 || options.tp_rank != 0) {
+    // Slice into a hidden folder beside the output, then compress the slice.
+    TempDir sliced(out.parent_path() / (out.filename().string() + ".tp-slice"));
+    const fs::path src = sliced.path() / (fs::is_directory(in) ? fs::path("checkpoint") : in.filename());
+    slice_checkpoint_tp(in, src, options.tp, options.tp_rank, options.layout);
+    CompressOptions whole = options;
+    whole.tp = 1;
+    whole.tp_rank = 0;
+    CheckpointReport rep = compress_checkpoint(src, out, whole);
+    rep.path = in;
+    return rep;
+  }
   CheckpointReport rep;
   rep.path = in;
   Job job{options};

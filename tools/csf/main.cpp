@@ -10,6 +10,11 @@
 #include "cli.hpp"
 #include "csfmoe/errors.hpp"
 
+namespace csfmoe::cli {
+// compress with a tensor-parallel slice (commands.cpp).
+int run_compress(const CompressArgs& a, unsigned tp, unsigned tp_rank);
+}  // namespace csfmoe::cli
+
 namespace {
 
 constexpr const char* CSF_VERSION = "0.1.0";
@@ -47,6 +52,12 @@ int main(int argc, char** argv) {
   c_compress->add_option("--threads", compress.threads, "worker threads (0: all cores)");
   c_compress->add_option("--layout", compress.layout, "layout of the source scale tensors")->check(layouts);
   c_compress->add_flag("--quiet,-q", compress.quiet, "no progress and no table");
+  unsigned compress_tp = 1, compress_rank = 0;
+  c_compress
+      ->add_option("--tp", compress_tp,
+                   "tensor-parallel degree: store only rank --rank's slice of the MoE expert projections")
+      ->check(CLI::Range(1u, 1024u));
+  c_compress->add_option("--rank", compress_rank, "tensor-parallel rank in [0, --tp)");
 
   CompressArgs decompress;
   auto* c_decompress = app.add_subcommand("decompress", "Restore the original checkpoint byte for byte");
@@ -114,7 +125,7 @@ int main(int argc, char** argv) {
 
   try {
     if (c_inspect->parsed()) return run_inspect(inspect);
-    if (c_compress->parsed()) return run_compress(compress);
+    if (c_compress->parsed()) return run_compress(compress, compress_tp, compress_rank);
     if (c_decompress->parsed()) return run_decompress(decompress);
     if (c_verify->parsed()) return run_verify(verify);
     if (c_quantize->parsed()) return run_quantize(quantize);

@@ -1,0 +1,184 @@
+// Tensor-parallel slicing of native checkpoints, tensor by tensor, bytes only.
+#include "checkpoint/tp_slice.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <map>
+#include <string>
+
+#include "checkpoint/container.hpp"
+#include "checkpoint/detect.hpp"
+#include "csfmoe/errors.hpp"
+#include "csfmoe/parallel.hpp"
+#include "csfmoe/safetensors.hpp"
+
+namespace csfmoe::detail {
+namespace fs = std::filesystem;
+
+namespace {
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+struct Sliced {
+  std::vector<std::uint64_t> shape;
+  std::vector<std::uint8_t> bytes;  // empty when the tensor is copied as is
+  bool copy = true;
+};
+
+class FileSlicer {
+ public:
+  FileSlicer(const st::File& f, unsigned tp, unsigned rank, ScaleLayout layout)
+      : f_(f),
+        tp_(tp),
+        rank_(rank),
+        label_(f.path().string()),
+        det_(detect_scales(f.header(), layout, label_)) {
+    for (const auto& c : det_.scales) by_companion_[c.companion] = &c;
+  }
+
+  // New shape (and bytes unless shape_only) of one tensor.
+  Sliced slice(const st::TensorInfo& t, bool shape_only) const {
+    Sliced out;
+    out.shape = t.shape;
+    const TpSplit split = tensor_parallel_split_of(t.name);
+    if (split == TpSplit::none) return out;
+    const std::string what = fmt::format("{}: tensor '{}' ({} split)", label_, t.name, to_string(split));
+    const auto data = f_.data(t);
+    const std::size_t nd = t.shape.size();
+    if (const ScaleCandidate* c = det_.find(t.name)) {
+      // A block-scale grid: slice its true rows/cols, keep its layout.
+      const st::TensorInfo* w = f_.find(c->companion);
+      const bool blocks = ends_with(c->companion, "_blocks");
+      const std::uint64_t R = w->shape[nd - 2];
+      const std::uint64_t K = blocks ? w->shape[nd - 1] * 32 : w->shape[nd - 1] * 2;
+      const std::uint64_t cols = K / group_size(c->shape.format);
+      std::vector<AxisRange> rr{{0, R}};
+      AxisRange cr{0, cols};
+      if (split == TpSplit::cols)
+        cr = tensor_parallel_axis_ranges(cols, split, tp_, rank_, 1, what + " scale columns")[0];
+      else
+        rr = tensor_parallel_axis_ranges(R, split, tp_, rank_, 1, what + " scale rows");
+      std::uint64_t r_out = 0;
+      for (const auto& r : rr) r_out += r.count;
+      const bool swz = c->shape.layout == ScaleLayout::swizzled_128x4;
+      out.shape[nd - 2] = swz ? round_up(r_out, 128) : r_out;
+      out.shape[nd - 1] = swz ? round_up(cr.count, 4) : cr.count;
+      out.copy = false;
+      if (!shape_only)
+        out.bytes = slice_scale_grid(c->shape, std::uint32_t(R), std::uint32_t(cols), data, rr, cr);
+      return out;
+    }
+    std::size_t axis = 0;
+    std::uint64_t granule = 1;
+    if (auto it = by_companion_.find(t.name); it != by_companion_.end()) {
+      // Packed FP4 weight: [.., R, K/2] bytes or [.., R, K/32, 16] blocks.
+      const bool blocks = ends_with(t.name, "_blocks");
+      const std::size_t row_axis = blocks ? nd - 3 : nd - 2, col_axis = blocks ? nd - 2 : nd - 1;
+      axis = split == TpSplit::cols ? col_axis : row_axis;
+      // Column pieces must be whole scale groups (bytes per group: g/2).
+      if (split == TpSplit::cols && !blocks) granule = group_size(it->second->shape.format) / 2;
+    } else if (ends_with(t.name, "bias")) {
+      // Down-projection biases are not split: whoever sums the ranks adds them once.
+      if (split == TpSplit::cols || nd == 0) return out;
+      axis = nd - 1;
+    } else if (nd <= 1 || t.shape.back() == 1) {
+      return out;  // global / input scales: one value per expert
+    } else {
+      throw Unsupported(fmt::format(
+          "{}: {} {} is an expert projection tensor of unknown kind (not a packed FP4 weight with detected "
+          "scales, "
+          "its scale, a bias or a per-expert scalar); cannot tell which axis to split for tp = {}",
+          what, st::to_string(t.dtype), fmt::format("[{}]", fmt::join(t.shape, ", ")), tp_));
+    }
+    const auto ranges = tensor_parallel_axis_ranges(t.shape[axis], split, tp_, rank_, granule, what);
+    std::uint64_t kept = 0;
+    for (const auto& r : ranges) kept += r.count;
+    out.shape[axis] = kept;
+    out.copy = false;
+    if (!shape_only) out.bytes = slice_axis(data, t.shape, st::dtype_size(t.dtype), axis, ranges);
+    return out;
+  }
+
+  void write(const fs::path& dest) const {
+    st::Metadata md = f_.header().metadata.value_or(st::Metadata{});
+    if (md.count(kContainerKey)) throw InvalidArgument(fmt::format("{} is already a CSF container", label_));
+    if (md.count(kTpKey))
+      throw InvalidArgument(fmt::format("{} is already a tensor-parallel slice (tp = {}, rank = {})", label_,
+                                        md[kTpKey], md.count(kTpRankKey) ? md[kTpRankKey] : "?"));
+    md[kTpKey] = std::to_string(tp_);
+    md[kTpRankKey] = std::to_string(rank_);
+    // Data order of the source, so that the slice reads like the original.
+    std::vector<const st::TensorInfo*> order;
+    for (const auto& t : f_.tensors()) order.push_back(&t);
+    std::stable_sort(order.begin(), order.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
+    std::vector<st::TensorInfo> planned;
+    std::uint64_t off = 0;
+    for (const auto* t : order) {
+      st::TensorInfo p = *t;
+      p.shape = slice(*t, true).shape;
+      std::uint64_t n = st::dtype_size(t->dtype);
+      for (auto d : p.shape) n *= d;
+      p.begin = off;
+      off += n;
+      p.end = off;
+      planned.push_back(std::move(p));
+    }
+    st::Writer w(dest, st::Writer::header_json_size(planned, md) + 64);
+    for (const auto* t : order) {
+      Sliced s = slice(*t, false);
+      if (s.copy)
+        w.add_tensor(t->name, t->dtype, t->shape, f_.data(*t));
+      else
+        w.add_tensor(t->name, t->dtype, std::move(s.shape), s.bytes);
+    }
+    w.commit(md);
+  }
+
+ private:
+  const st::File& f_;
+  unsigned tp_, rank_;
+  std::string label_;
+  Detection det_;
+  std::map<std::string, const ScaleCandidate*> by_companion_;
+};
+
+}  // namespace
+
+void slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsigned tp, unsigned rank,
+                         ScaleLayout layout) {
+  if (tp == 0) throw InvalidArgument("--tp must be at least 1");
+  if (rank >= tp) throw InvalidArgument(fmt::format("--rank {} is not below --tp {}", rank, tp));
+  if (!fs::is_directory(in)) {
+    const st::File f = st::File::open(in);
+    FileSlicer(f, tp, rank, layout).write(out);
+    return;
+  }
+  std::error_code ec;
+  if (!fs::create_directory(out, ec) || ec)
+    throw IoError(
+        fmt::format("{}: cannot create folder: {}", out.string(), ec ? ec.message() : "already exists"));
+  std::vector<std::string> names;
+  for (const auto& de : fs::directory_iterator(in)) names.push_back(de.path().filename().string());
+  std::sort(names.begin(), names.end());
+  for (const auto& n : names) {
+    const fs::path p = in / n;
+    if (fs::is_symlink(fs::symlink_status(p, ec)))
+      throw Unsupported(
+          fmt::format("{}: '{}' is a symlink; tensor-parallel slicing needs plain files", in.string(), n));
+    if (ends_with(n, ".safetensors")) {
+      const st::File f = st::File::open(st::resolve_inside(in, n, in.string()));
+      FileSlicer(f, tp, rank, layout).write(out / n);
+    } else {
+      // The index names tensors, not shapes: it stays valid for the slice.
+      fs::copy(p, out / n, fs::copy_options::recursive | fs::copy_options::copy_symlinks, ec);
+      if (ec)
+        throw IoError(fmt::format("cannot copy {} to {}: {}", p.string(), (out / n).string(), ec.message()));
+    }
+  }
+}
+
+}  // namespace csfmoe::detail
