@@ -1,0 +1,136 @@
+// Fused MoE layer on the GPU (W4A16: FP4 weights and block scales are
+// dequantized to BF16 in the kernels and multiplied on BF16 tensor cores with
+// FP32 accumulation). Only available when built with CUDA (csfmoe_cuda).
+//
+// Life cycle, as an inference engine drives it:
+//   MoePlan plan = plan_weights(format, geometry, constraints);      // once, host only
+//   MoeWeights w = prepare_weights(plan, device_weights, &scratch, stream);  // load time, syncs
+//   BoundMoe b = bind(w, stream, max_tokens, workspace, scales_expanded);  // once per stream/shape
+//   [expand_scales(w, stream)]   // only for layers bound with scales_expanded = true
+//   run(b, hidden, T, ids, id_type, weights, out);                     // per call; graph-capturable
+//
+// run() allocates nothing and never synchronizes the host: all temporaries
+// live in the caller's workspace (moe_workspace_bytes). Results are
+// deterministic (no atomics in any reduction) and bitwise identical across
+// scale modes: the modes only change where each K slice's scale bytes come from.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "csfmoe/device_codec.hpp"
+#include "csfmoe/moe.hpp"
+
+namespace csfmoe {
+
+// Device pointers of a layer's weights as the checkpoint loader placed them
+// (all on `device`, 16-byte aligned). Scales are in plan.constraints.scale_layout.
+struct MoeDeviceWeights {
+  const std::uint8_t* w13 = nullptr;         // [E, 2N, H/2] packed E2M1
+  const std::uint8_t* w13_scales = nullptr;  // plan.w13_scale_bytes
+  const float* w13_global = nullptr;         // [E] FP32 (NVFP4); nullptr for MXFP4 (unit)
+  const std::uint8_t* w2 = nullptr;          // [E, H, N/2]
+  const std::uint8_t* w2_scales = nullptr;   // plan.w2_scale_bytes
+  const float* w2_global = nullptr;          // [E]
+  int device = 0;
+};
+
+// Expanded scales go to a caller-owned ScaleScratch (device_codec.hpp), in
+// row-major layout; several layers may share one. Bytes it needs per tensor:
+ScratchSizes moe_scale_scratch_bytes(const MoePlan& plan);
+
+// A layer ready to run: the caller's packed weights (referenced, not copied)
+// and either its native scales (referenced) or device-resident CSF copies.
+class MoeWeights {
+ public:
+  const MoePlan& plan() const { return plan_; }
+  const MoeDeviceWeights& source() const { return src_; }
+  // True when the layer holds its own CSF scales: the caller may free its
+  // native scale tensors (source().w13_scales / w2_scales are then unused).
+  bool source_scales_droppable() const { return plan_.constraints.compression == ScaleCompression::csf; }
+  const DeviceCsfTensor& w13_csf() const { return w13_csf_; }
+  const DeviceCsfTensor& w2_csf() const { return w2_csf_; }
+  const std::optional<ScaleScratch>& scratch() const { return scratch_; }
+  // Device bytes of the scales this layer needs resident (native or CSF parts).
+  std::uint64_t resident_scale_bytes() const;
+
+ private:
+  friend MoeWeights prepare_weights(const MoePlan&, const MoeDeviceWeights&, const ScaleScratch*,
+                                    cudaStream_t);
+  MoePlan plan_;
+  MoeDeviceWeights src_;
+  DeviceCsfTensor w13_csf_, w2_csf_;
+  std::optional<ScaleScratch> scratch_;
+};
+
+// Checks every pointer (non-null, 16-byte aligned, on `device`) and, for
+// compression csf, encodes both scale tensors on the device (bit-identical to
+// the CPU encoder). scale_scratch is required for the expanded and routed
+// modes (it may be shared by layers) and may be null otherwise. Synchronizes
+// `stream`: call it at load time, before any graph capture.
+MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& weights,
+                           const ScaleScratch* scale_scratch, cudaStream_t stream);
+
+// Rebuild all experts' scales of a CSF layer into its scratch on `stream`
+// (no allocation, no host sync). A later call bound with scales_expanded =
+// true reads them; the caller orders reuse of a shared scratch with events.
+void expand_scales(const MoeWeights& weights, cudaStream_t stream);
+
+struct MoeWorkspace {
+  void* data = nullptr;  // device memory, 256-byte aligned
+  std::uint64_t bytes = 0;
+};
+// Workspace a binding for up to max_tokens tokens needs.
+std::uint64_t moe_workspace_bytes(const MoePlan& plan, std::uint32_t max_tokens);
+
+struct MoeBindOptions {
+  // Force one scale mode for every call (tests, benchmarks); it must suit the
+  // layer: native needs compression none, the others csf, expanded and
+  // routed a scratch.
+  std::optional<MoeScaleMode> force_mode;
+};
+
+// A frozen launch configuration: stream, token bound, workspace, and the rule
+// that picks a call's scale mode from its token count:
+//   compression none                 -> native
+//   csf, scales_expanded = true      -> expanded
+//   csf, T <= stage_read_max_tokens  -> stage_read
+//   csf, larger T                    -> routed
+class BoundMoe {
+ public:
+  const MoeWeights& weights() const { return *weights_; }
+  cudaStream_t stream() const { return stream_; }
+  std::uint32_t max_tokens() const { return max_tokens_; }
+  MoeScaleMode mode_for(std::uint32_t tokens) const;
+  // Ids outside [0, E) seen by the last call (they contribute nothing).
+  // Synchronizes the stream; for debugging, never inside a capture.
+  std::uint32_t invalid_id_count() const;
+
+ private:
+  friend BoundMoe bind(const MoeWeights&, cudaStream_t, std::uint32_t, const MoeWorkspace&, bool,
+                       const MoeBindOptions&);
+  friend void run(const BoundMoe&, const void*, std::uint32_t, const void*, IndexType, const float*, void*);
+  const MoeWeights* weights_ = nullptr;  // must outlive the binding
+  cudaStream_t stream_ = nullptr;
+  std::uint32_t max_tokens_ = 0;
+  MoeWorkspace workspace_;
+  bool scales_expanded_ = false;
+  MoeBindOptions options_;
+};
+
+// Validates and freezes; `weights` must outlive the result. Throws
+// InvalidArgument for a too small or misaligned workspace, max_tokens above
+// the plan's, or a mode that does not suit the layer.
+BoundMoe bind(const MoeWeights& weights, cudaStream_t stream, std::uint32_t max_tokens,
+              const MoeWorkspace& workspace, bool scales_expanded, const MoeBindOptions& options = {});
+
+// One layer call on the bound stream. hidden and out: bf16 [T, H]; topk_ids:
+// [T, k] int32 or int64; topk_weights: [T, k] f32; all on the layer's device,
+// 16-byte aligned (ids and weights 4-byte), out not overlapping the inputs.
+// T = 0 does nothing. Asynchronous; capturable in a CUDA graph.
+void run(const BoundMoe& bound, const void* hidden, std::uint32_t tokens, const void* topk_ids,
+         IndexType id_type, const float* topk_weights, void* out);
+
+}  // namespace csfmoe

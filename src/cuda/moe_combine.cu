@@ -1,0 +1,57 @@
+// Weighted combine: out[t] = sum over slots j in order of w[t, j] * y[t*k + j].
+// One thread owns 4 consecutive outputs of one token, so the sum order is
+// fixed and the result identical run to run (no atomics).
+#include <cuda_bf16.h>
+
+#include "cuda/moe_kernels.cuh"
+
+namespace csfmoe::moe_detail {
+
+namespace {
+
+constexpr int kCombineThreads = 256;
+
+template <typename Id>
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams p) {
+  const std::uint32_t t = blockIdx.x;
+  const std::uint32_t h = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
+  if (h >= p.hidden) return;
+  const Id* ids = static_cast<const Id*>(p.ids) + std::uint64_t{t} * p.topk;
+  const float* wt = p.weights + std::uint64_t{t} * p.topk;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (std::uint32_t j = 0; j < p.topk; ++j) {
+    const long long id = static_cast<long long>(ids[j]);
+    if (id < 0 || id >= p.experts) continue;  // counted by the routing kernel
+    const float w = wt[j];
+    const float4 y =
+        *reinterpret_cast<const float4*>(p.slot_out + (std::uint64_t{t} * p.topk + j) * p.hidden + h);
+    acc.x = fmaf(w, y.x, acc.x);
+    acc.y = fmaf(w, y.y, acc.y);
+    acc.z = fmaf(w, y.z, acc.z);
+    acc.w = fmaf(w, y.w, acc.w);
+  }
+  __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y);
+  __nv_bfloat162 hi = __floats2bfloat162_rn(acc.z, acc.w);
+  uint2 v;
+  v.x = *reinterpret_cast<unsigned*>(&lo);
+  v.y = *reinterpret_cast<unsigned*>(&hi);
+  *reinterpret_cast<uint2*>(p.out + std::uint64_t{t} * p.hidden + h) = v;
+}
+
+using CombineFn = void (*)(const CombineParams&, cudaStream_t);
+template <typename Id>
+void combine(const CombineParams& p, cudaStream_t stream) {
+  const dim3 grid(p.tokens, (p.hidden / 4 + kCombineThreads - 1) / kCombineThreads);
+  combine_kernel<Id><<<grid, kCombineThreads, 0, stream>>>(p);
+}
+constexpr CombineFn kCombine[2] = {&combine<std::int32_t>, &combine<std::int64_t>};
+
+}  // namespace
+
+void launch_combine(IndexType id_type, const CombineParams& p, cudaStream_t stream) {
+  if (p.tokens == 0) return;
+  kCombine[static_cast<int>(id_type)](p, stream);
+  check_launch("moe combine kernel");
+}
+
+}  // namespace csfmoe::moe_detail

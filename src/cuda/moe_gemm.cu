@@ -1,0 +1,44 @@
+// Instantiations and dispatch table of the grouped MoE GEMMs.
+#include "cuda/moe_gemm.cuh"
+
+namespace csfmoe::moe_detail {
+
+namespace {
+
+using GemmFn = void (*)(const GemmParams&, cudaStream_t);
+
+template <ScaleFormat F, ScaleKind K, bool GateUp>
+void gemm(const GemmParams& p, cudaStream_t stream) {
+  const std::uint32_t n_tiles = (GateUp ? p.n : p.out_rows) / kTileN;
+  moe_gemm_kernel<F, K, GateUp><<<dim3(p.max_tiles, n_tiles), kGemmThreads, 0, stream>>>(p);
+}
+
+// [format][scale kind][gate_up]
+constexpr GemmFn kGemm[2][3][2] = {
+    {{&gemm<ScaleFormat::nvfp4, ScaleKind::dense_row_major, false>,
+      &gemm<ScaleFormat::nvfp4, ScaleKind::dense_row_major, true>},
+     {&gemm<ScaleFormat::nvfp4, ScaleKind::dense_swizzled, false>,
+      &gemm<ScaleFormat::nvfp4, ScaleKind::dense_swizzled, true>},
+     {&gemm<ScaleFormat::nvfp4, ScaleKind::csf, false>, &gemm<ScaleFormat::nvfp4, ScaleKind::csf, true>}},
+    {{&gemm<ScaleFormat::mxfp4, ScaleKind::dense_row_major, false>,
+      &gemm<ScaleFormat::mxfp4, ScaleKind::dense_row_major, true>},
+     {&gemm<ScaleFormat::mxfp4, ScaleKind::dense_swizzled, false>,
+      &gemm<ScaleFormat::mxfp4, ScaleKind::dense_swizzled, true>},
+     {&gemm<ScaleFormat::mxfp4, ScaleKind::csf, false>, &gemm<ScaleFormat::mxfp4, ScaleKind::csf, true>}},
+};
+
+}  // namespace
+
+void launch_gate_up(ScaleFormat f, const GemmParams& p, cudaStream_t stream) {
+  if (p.max_tiles == 0) return;
+  kGemm[int(f)][int(p.scales.kind)][1](p, stream);
+  check_launch("moe gate/up GEMM");
+}
+
+void launch_down(ScaleFormat f, const GemmParams& p, cudaStream_t stream) {
+  if (p.max_tiles == 0) return;
+  kGemm[int(f)][int(p.scales.kind)][0](p, stream);
+  check_launch("moe down GEMM");
+}
+
+}  // namespace csfmoe::moe_detail

@@ -1,0 +1,90 @@
+// Internal interface between the MoE host code (moe_layer.cu) and the kernel
+// families (moe_routing.cu, moe_gemm.cu, moe_combine.cu). Launchers take
+// checked arguments; each family dispatches through one table.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "csfmoe/device_codec.hpp"
+#include "csfmoe/formats.hpp"
+
+namespace csfmoe::moe_detail {
+
+constexpr int kTileM = 64;  // rows (token slots, padded per expert) per tile
+constexpr int kTileN = 64;  // output rows of the weight per tile
+constexpr int kTileK = 64;  // K slice
+constexpr int kGemmThreads = 128;
+constexpr int kRouteThreads = 1024;
+
+// Upper bound on the padded tiles of a call with `slots` = T * k slots.
+inline std::uint64_t max_tiles(std::uint64_t slots, std::uint32_t experts) {
+  return (slots + kTileM - 1) / kTileM + (slots < experts ? slots : experts);
+}
+
+// Token permutation written by the routing kernel.
+struct Routing {
+  int* header = nullptr;       // [0] tiles in use, [1] ids outside [0, E)
+  int* tile_expert = nullptr;  // [max_tiles] expert of each tile of kTileM sorted rows
+  int* sorted_slot = nullptr;  // [max_tiles * kTileM] slot t*k+j per sorted row, -1 = padding
+};
+
+void launch_routing(const void* ids, IndexType id_type, std::uint32_t slots, std::uint32_t experts,
+                    const Routing& r, cudaStream_t stream);
+
+// Where one projection's scale bytes come from.
+enum class ScaleKind : int { dense_row_major = 0, dense_swizzled = 1, csf = 2 };
+struct ScaleSource {
+  ScaleKind kind = ScaleKind::dense_row_major;
+  // dense: byte (e, row, col) at dense[e * expert_stride + row * cols + col]
+  // (row-major) or dense[e * expert_stride + swizzled_index(row, col, cols)].
+  const std::uint8_t* dense = nullptr;
+  std::uint64_t expert_stride = 0;
+  std::uint32_t cols = 0;
+  // csf: fixed-part slabs and exception records (docs/csf-format.md).
+  const std::uint8_t* fixed = nullptr;
+  const std::uint32_t* exceptions = nullptr;
+  const std::uint32_t* row_prefix = nullptr;
+  std::uint64_t fixed_per_expert = 0;
+  std::uint64_t slab_bytes = 0;
+  std::uint32_t padded_rows = 0;
+  std::uint32_t padded_cols = 0;
+};
+
+struct GemmParams {
+  const int* header = nullptr;
+  const int* tile_expert = nullptr;
+  const int* sorted_slot = nullptr;
+  std::uint32_t max_tiles = 0;       // grid size along tiles
+  const std::uint16_t* a = nullptr;  // bf16: hidden [T, K] (gate/up) or act [rows, K] (down)
+  std::uint32_t topk = 1;            // slot -> token divisor (gate/up)
+  const std::uint8_t* w = nullptr;   // [E, out_rows, K/2]
+  std::uint32_t k = 0;               // K
+  std::uint32_t out_rows = 0;        // rows of one expert's weight (2N or H)
+  ScaleSource scales;
+  const float* global = nullptr;  // [E] or nullptr (unit)
+  // gate/up: N outputs per half, act [rows, N] bf16; gate rows start at gate_row0.
+  std::uint32_t n = 0;
+  std::uint32_t gate_row0 = 0, up_row0 = 0;
+  std::uint16_t* act = nullptr;
+  // down: per-slot outputs [T * k, H] f32.
+  float* slot_out = nullptr;
+};
+
+void launch_gate_up(ScaleFormat f, const GemmParams& p, cudaStream_t stream);
+void launch_down(ScaleFormat f, const GemmParams& p, cudaStream_t stream);
+
+struct CombineParams {
+  const float* slot_out = nullptr;
+  const void* ids = nullptr;
+  const float* weights = nullptr;
+  std::uint16_t* out = nullptr;  // bf16 [T, H]
+  std::uint32_t tokens = 0, topk = 0, hidden = 0, experts = 0;
+};
+void launch_combine(IndexType id_type, const CombineParams& p, cudaStream_t stream);
+
+// Throws CudaError naming `what` if the last launch failed.
+void check_launch(const char* what);
+
+}  // namespace csfmoe::moe_detail

@@ -1,0 +1,98 @@
+// Token permutation per expert: one block sorts the call's T*k slots by
+// expert (stable: slot order inside an expert), pads every expert to whole
+// tiles of kTileM rows and writes the tile -> expert map. No host sync, no
+// allocation, deterministic (the only atomics count, and counts commute).
+#include <string>
+
+#include "csfmoe/errors.hpp"
+#include "cuda/moe_kernels.cuh"
+
+namespace csfmoe::moe_detail {
+
+namespace {
+
+template <typename Id>
+__global__ void __launch_bounds__(kRouteThreads)
+    route_kernel(const Id* __restrict__ ids, std::uint32_t slots, std::uint32_t experts, Routing r) {
+  __shared__ int count[1024];
+  __shared__ int offset[1025];
+  __shared__ int cursor[1024];
+  __shared__ int invalid;
+  const int tid = threadIdx.x;
+  for (int e = tid; e < int(experts); e += blockDim.x) count[e] = cursor[e] = 0;
+  if (tid == 0) invalid = 0;
+  __syncthreads();
+  for (std::uint32_t s = tid; s < slots; s += blockDim.x) {
+    const long long id = static_cast<long long>(ids[s]);
+    if (id >= 0 && id < experts)
+      atomicAdd(&count[id], 1);
+    else
+      atomicAdd(&invalid, 1);
+  }
+  __syncthreads();
+  if (tid == 0) {
+    // E <= 1024: a serial scan is cheaper to reason about than a block scan here.
+    int run = 0;
+    for (std::uint32_t e = 0; e < experts; ++e) {
+      offset[e] = run;
+      run += (count[e] + kTileM - 1) / kTileM * kTileM;
+    }
+    offset[experts] = run;
+    r.header[0] = run / kTileM;
+    r.header[1] = invalid;
+  }
+  __syncthreads();
+  for (int e = tid; e < int(experts); e += blockDim.x) {
+    for (int t = offset[e] / kTileM; t < offset[e + 1] / kTileM; ++t) r.tile_expert[t] = e;
+    for (int p = offset[e] + count[e]; p < offset[e + 1]; ++p) r.sorted_slot[p] = -1;
+  }
+  // Stable scatter: warps take turns so that every slot's rank is the number
+  // of earlier slots routed to the same expert.
+  const int warp = tid / 32, lane = tid % 32;
+  const unsigned lt = (1u << lane) - 1u;
+  for (std::uint32_t base = 0; base < slots; base += blockDim.x) {
+    const std::uint32_t s = base + tid;
+    int e = -1;
+    if (s < slots) {
+      const long long id = static_cast<long long>(ids[s]);
+      e = (id >= 0 && id < experts) ? int(id) : -1;
+    }
+    const unsigned peers = __match_any_sync(0xFFFFFFFFu, e);
+    const int rank = __popc(peers & lt);
+    int pos = 0;
+    for (int w = 0; w < int(blockDim.x / 32); ++w) {
+      if (warp == w) {
+        const int c = e >= 0 ? cursor[e] : 0;
+        __syncwarp();
+        if (e >= 0 && rank == 0) cursor[e] = c + __popc(peers);
+        pos = c + rank;
+      }
+      __syncthreads();
+    }
+    if (e >= 0) r.sorted_slot[offset[e] + pos] = int(s);
+  }
+}
+
+using RouteFn = void (*)(const void*, std::uint32_t, std::uint32_t, const Routing&, cudaStream_t);
+template <typename Id>
+void route(const void* ids, std::uint32_t slots, std::uint32_t experts, const Routing& r,
+           cudaStream_t stream) {
+  route_kernel<Id><<<1, kRouteThreads, 0, stream>>>(static_cast<const Id*>(ids), slots, experts, r);
+}
+// Dispatch table: index by IndexType.
+constexpr RouteFn kRoute[2] = {&route<std::int32_t>, &route<std::int64_t>};
+
+}  // namespace
+
+void launch_routing(const void* ids, IndexType id_type, std::uint32_t slots, std::uint32_t experts,
+                    const Routing& r, cudaStream_t stream) {
+  kRoute[static_cast<int>(id_type)](ids, slots, experts, r, stream);
+  check_launch("moe routing kernel");
+}
+
+void check_launch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw CudaError(std::string(what) + ": launch failed: " + cudaGetErrorString(err));
+}
+
+}  // namespace csfmoe::moe_detail

@@ -1,0 +1,493 @@
+// Fused MoE layer on the GPU against the float64 CPU reference, for every
+// scale mode. Skips when no CUDA device is present.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "csfmoe/errors.hpp"
+#include "csfmoe/moe.hpp"
+#include "csfmoe/moe_cuda.hpp"
+#include "test_seed.hpp"
+
+namespace csfmoe {
+namespace {
+
+#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x << ": " << cudaGetErrorString(x)
+
+bool have_gpu() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+
+#define REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Owning device buffer.
+struct Buf {
+  void* p = nullptr;
+  std::size_t n = 0;
+  Buf() = default;
+  explicit Buf(std::size_t bytes) : n(bytes) { check(cudaMalloc(&p, bytes ? bytes : 1), "cudaMalloc"); }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  Buf(Buf&& o) noexcept : p(o.p), n(o.n) { o.p = nullptr; }
+  Buf& operator=(Buf&& o) noexcept {
+    std::swap(p, o.p);
+    std::swap(n, o.n);
+    return *this;
+  }
+  ~Buf() {
+    if (p) (void)cudaFree(p);
+  }
+  template <typename T>
+  static Buf of(const std::vector<T>& v) {
+    Buf b(v.size() * sizeof(T));
+    check(cudaMemcpy(b.p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
+    return b;
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+template <typename T>
+std::vector<T> download(const void* p, std::size_t count) {
+  std::vector<T> v(count);
+  check(cudaMemcpy(v.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost), "download");
+  return v;
+}
+
+// One layer on the device in every configuration the tests need: the same
+// weights kept native (row-major), and CSF with a scale scratch.
+struct Layer {
+  MoeHostWeights host;
+  Buf w13, w2, s13, s2, g13, g2, scratch13, scratch2;
+  MoePlan plan_native, plan_csf;
+  std::unique_ptr<MoeWeights> native, csf;
+
+  Layer(ScaleFormat f, const MoeLayerGeometry& g, std::uint64_t seed, std::uint32_t max_tokens = 4096,
+        ScaleLayout layout = ScaleLayout::row_major) {
+    host = synthetic_moe_weights(f, g, seed);
+    w13 = Buf::of(host.w13);
+    w2 = Buf::of(host.w2);
+    MoeConstraints c;
+    c.max_tokens = max_tokens;
+    c.scale_layout = layout;
+    plan_native = plan_weights(f, g, c);
+    s13 = Buf::of(relayout_scales(row_major(plan_native.w13_scales, g, f, true), host.w13_scales, layout));
+    s2 = Buf::of(relayout_scales(row_major(plan_native.w2_scales, g, f, false), host.w2_scales, layout));
+    if (f == ScaleFormat::nvfp4) {
+      g13 = Buf::of(host.w13_global);
+      g2 = Buf::of(host.w2_global);
+    }
+    MoeDeviceWeights d;
+    d.w13 = w13.as<std::uint8_t>();
+    d.w2 = w2.as<std::uint8_t>();
+    d.w13_scales = s13.as<std::uint8_t>();
+    d.w2_scales = s2.as<std::uint8_t>();
+    d.w13_global = g13.as<float>();
+    d.w2_global = g2.as<float>();
+    native = std::make_unique<MoeWeights>(prepare_weights(plan_native, d, nullptr, nullptr));
+    c.compression = ScaleCompression::csf;
+    plan_csf = plan_weights(f, g, c);
+    const ScratchSizes need = moe_scale_scratch_bytes(plan_csf);
+    scratch13 = Buf(need.w13);
+    scratch2 = Buf(need.w2);
+    ScaleScratch sc;
+    sc.w13 = scratch13.as<std::uint8_t>();
+    sc.w13_bytes = need.w13;
+    sc.w2 = scratch2.as<std::uint8_t>();
+    sc.w2_bytes = need.w2;
+    csf = std::make_unique<MoeWeights>(prepare_weights(plan_csf, d, &sc, nullptr));
+  }
+  static GridShape row_major(const GridShape& s, const MoeLayerGeometry& g, ScaleFormat f, bool w13) {
+    GridShape r = s;
+    r.layout = ScaleLayout::row_major;
+    r.rows = w13 ? 2 * g.intermediate : g.hidden;
+    r.cols = (w13 ? g.hidden : g.intermediate) / group_size(f);
+    return r;
+  }
+  const MoeWeights& weights_for(MoeScaleMode m) const { return m == MoeScaleMode::native ? *native : *csf; }
+};
+
+struct Inputs {
+  std::uint32_t tokens = 0;
+  std::vector<std::uint16_t> hidden;
+  std::vector<std::int64_t> ids;
+  std::vector<float> weights;
+};
+
+Inputs random_inputs(std::mt19937_64& rng, std::uint32_t T, const MoeLayerGeometry& g) {
+  Inputs in;
+  in.tokens = T;
+  std::normal_distribution<float> x(0.0f, 1.0f);
+  std::uniform_real_distribution<float> w(0.05f, 1.0f);
+  in.hidden.resize(std::size_t{T} * g.hidden);
+  for (auto& v : in.hidden) v = float_to_bf16(x(rng));
+  // Distinct experts per token (like a real top-k), so some experts get none.
+  std::vector<std::int64_t> perm(g.experts);
+  for (std::uint32_t e = 0; e < g.experts; ++e) perm[e] = e;
+  for (std::uint32_t t = 0; t < T; ++t) {
+    for (std::uint32_t j = 0; j < g.topk; ++j) {
+      std::uniform_int_distribution<std::uint32_t> pick(j, g.experts - 1);
+      std::swap(perm[j], perm[pick(rng)]);
+      in.ids.push_back(perm[j]);
+      in.weights.push_back(w(rng));
+    }
+  }
+  return in;
+}
+
+std::vector<float> reference(const Layer& l, const Inputs& in) {
+  std::vector<float> out(std::size_t{in.tokens} * l.host.geometry.hidden);
+  moe_reference(l.host, in.hidden, in.tokens, in.ids, in.weights, out);
+  return out;
+}
+
+std::vector<float> to_float(const std::vector<std::uint16_t>& v) {
+  std::vector<float> f(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) f[i] = bf16_to_float(v[i]);
+  return f;
+}
+
+// Device-side inputs and workspace for calls of up to max_tokens tokens.
+struct Call {
+  Buf hidden, ids, weights, out, ws;
+  std::uint32_t max_tokens;
+  IndexType id_type;
+  Call(const MoePlan& plan, std::uint32_t max_t, IndexType type = IndexType::int64)
+      : max_tokens(max_t), id_type(type) {
+    const auto& g = plan.geometry;
+    hidden = Buf(std::size_t{max_t} * g.hidden * 2);
+    ids = Buf(std::size_t{max_t} * g.topk * 8);
+    weights = Buf(std::size_t{max_t} * g.topk * 4);
+    out = Buf(std::size_t{max_t} * g.hidden * 2);
+    ws = Buf(moe_workspace_bytes(plan, max_t));
+  }
+  MoeWorkspace workspace() const { return {ws.p, ws.n}; }
+  void upload(const Inputs& in, cudaStream_t s) {
+    check(cudaMemcpyAsync(hidden.p, in.hidden.data(), in.hidden.size() * 2, cudaMemcpyHostToDevice, s), "h");
+    if (id_type == IndexType::int64) {
+      check(cudaMemcpyAsync(ids.p, in.ids.data(), in.ids.size() * 8, cudaMemcpyHostToDevice, s), "ids");
+    } else {
+      ids32.assign(in.ids.begin(), in.ids.end());
+      check(cudaMemcpyAsync(ids.p, ids32.data(), ids32.size() * 4, cudaMemcpyHostToDevice, s), "ids");
+    }
+    check(cudaMemcpyAsync(weights.p, in.weights.data(), in.weights.size() * 4, cudaMemcpyHostToDevice, s),
+          "w");
+    check(cudaStreamSynchronize(s), "upload sync");
+  }
+  // NaN bit patterns everywhere, so an unwritten element cannot pass.
+  void poison(std::size_t elems, cudaStream_t s) {
+    check(cudaMemsetAsync(out.p, 0xFF, elems * 2, s), "poison");
+  }
+  void run(const BoundMoe& b, std::uint32_t T) {
+    csfmoe::run(b, hidden.p, T, ids.p, id_type, weights.as<float>(), out.p);
+  }
+  std::vector<std::int32_t> ids32;
+};
+
+// Runs one call in `mode` with poisoned output; returns the bf16 output.
+std::vector<std::uint16_t> run_mode(const Layer& l, MoeScaleMode mode, const Inputs& in, Call& call,
+                                    cudaStream_t s = nullptr) {
+  const MoeWeights& w = l.weights_for(mode);
+  MoeBindOptions opt;
+  opt.force_mode = mode;
+  const BoundMoe b = bind(w, s, call.max_tokens, call.workspace(), mode == MoeScaleMode::expanded, opt);
+  EXPECT_EQ(b.mode_for(in.tokens), mode);
+  if (mode == MoeScaleMode::expanded) {
+    // Clear the scratch first so a mode that skipped expansion would fail.
+    check(cudaMemsetAsync(l.scratch13.p, 0xFF, l.scratch13.n, s), "scratch poison");
+    check(cudaMemsetAsync(l.scratch2.p, 0xFF, l.scratch2.n, s), "scratch poison");
+    expand_scales(w, s);
+  }
+  call.upload(in, s);
+  const std::size_t elems = std::size_t{in.tokens} * l.host.geometry.hidden;
+  call.poison(elems, s);
+  call.run(b, in.tokens);
+  check(cudaStreamSynchronize(s), "run sync");
+  check(cudaGetLastError(), "run");
+  return download<std::uint16_t>(call.out.p, elems);
+}
+
+constexpr MoeScaleMode kModes[] = {MoeScaleMode::native, MoeScaleMode::expanded, MoeScaleMode::routed,
+                                   MoeScaleMode::stage_read};
+
+// All modes against the reference and bitwise against each other.
+void check_all_modes(const Layer& l, const Inputs& in, Call& call, const std::string& what) {
+  const std::vector<float> ref = reference(l, in);
+  std::vector<std::uint16_t> first;
+  for (MoeScaleMode m : kModes) {
+    SCOPED_TRACE(what + " mode " + std::string(to_string(m)));
+    if (m == MoeScaleMode::routed) {
+      // Routed expansion only touches routed experts: poison the rest.
+      check(cudaMemset(l.scratch13.p, 0xFF, l.scratch13.n), "scratch poison");
+      check(cudaMemset(l.scratch2.p, 0xFF, l.scratch2.n), "scratch poison");
+    }
+    const auto out = run_mode(l, m, in, call);
+    const auto f = to_float(out);
+    const double err = relative_error(f, ref);
+    EXPECT_LT(err, 1e-2) << "relative error " << err;
+    if (first.empty())
+      first = out;
+    else
+      EXPECT_TRUE(out == first) << "differs bitwise from native";
+  }
+}
+
+class GpuMoe : public ::testing::Test {
+ protected:
+  void SetUp() override { REQUIRE_GPU(); }
+};
+
+TEST_F(GpuMoe, EveryModeMatchesReferenceAcrossTokenCountsAndTopk) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  for (ScaleFormat f : {ScaleFormat::nvfp4, ScaleFormat::mxfp4}) {
+    for (std::uint32_t k : {1u, 2u, 8u}) {
+      const MoeLayerGeometry g{16, 256, 128, k, GateUpOrder::w13};
+      Layer l(f, g, seed + k);
+      Call call(l.plan_csf, 4096);
+      for (std::uint32_t T : {1u, 2u, 7u, 16u, 64u, 257u, 1024u, 4096u}) {
+        const Inputs in = random_inputs(rng, T, g);
+        check_all_modes(l, in, call,
+                        std::string(to_string(f)) + " k=" + std::to_string(k) + " T=" + std::to_string(T));
+      }
+    }
+  }
+}
+
+TEST_F(GpuMoe, SwizzledNativeScalesW31AndInt32Ids) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  // 2N = 192 and H/16 = 10 columns: exercises row and column padding.
+  const MoeLayerGeometry g{12, 320, 64, 4, GateUpOrder::w31};
+  for (ScaleLayout lay : {ScaleLayout::swizzled_128x4, ScaleLayout::row_major}) {
+    Layer l(ScaleFormat::nvfp4, g, seed, 512, lay);
+    Call call(l.plan_csf, 512, IndexType::int32);
+    for (std::uint32_t T : {3u, 200u})
+      check_all_modes(l, random_inputs(rng, T, g), call, "T=" + std::to_string(T));
+  }
+}
+
+TEST_F(GpuMoe, AllTokensToOneExpertAndDuplicateIds) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g{8, 128, 64, 2, GateUpOrder::w13};
+  Layer l(ScaleFormat::nvfp4, g, seed, 1024);
+  Call call(l.plan_csf, 1024);
+  for (std::uint32_t T : {1u, 300u, 1024u}) {
+    Inputs in = random_inputs(rng, T, g);
+    const std::int64_t e = std::int64_t(rng() % g.experts);
+    for (auto& id : in.ids) id = e;  // both slots of every token: duplicates, one expert
+    check_all_modes(l, in, call, "one expert T=" + std::to_string(T));
+  }
+}
+
+TEST_F(GpuMoe, InvalidIdsContributeNothingAndAreCounted) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g{8, 128, 64, 2, GateUpOrder::w13};
+  Layer l(ScaleFormat::mxfp4, g, seed, 64);
+  Call call(l.plan_csf, 64);
+  Inputs in = random_inputs(rng, 40, g);
+  in.ids[3] = -1;
+  in.ids[10] = 8;
+  in.ids[11] = 1000;
+  Inputs valid = in;
+  for (int i : {3, 10, 11}) {
+    valid.ids[i] = 0;
+    valid.weights[i] = 0.0f;
+  }
+  const std::vector<float> ref = reference(l, valid);
+  for (MoeScaleMode m : kModes) {
+    SCOPED_TRACE(std::string(to_string(m)));
+    const auto out = to_float(run_mode(l, m, in, call));
+    EXPECT_LT(relative_error(out, ref), 1e-2);
+    MoeBindOptions opt;
+    opt.force_mode = m;
+    const BoundMoe b =
+        bind(l.weights_for(m), nullptr, 64, call.workspace(), m == MoeScaleMode::expanded, opt);
+    EXPECT_EQ(b.invalid_id_count(), 3u);
+  }
+}
+
+TEST_F(GpuMoe, GraphCaptureReplaysWithNewInputs) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g{16, 256, 128, 8, GateUpOrder::w13};
+  Layer l(ScaleFormat::nvfp4, g, seed, 128);
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  for (MoeScaleMode m : kModes) {
+    SCOPED_TRACE(std::string(to_string(m)));
+    Call call(l.plan_csf, 128);
+    MoeBindOptions opt;
+    opt.force_mode = m;
+    const BoundMoe b = bind(l.weights_for(m), s, 128, call.workspace(), m == MoeScaleMode::expanded, opt);
+    if (m == MoeScaleMode::expanded) expand_scales(l.weights_for(m), s);
+    const std::uint32_t T = 37;
+    call.upload(random_inputs(rng, T, g), s);
+    cudaGraph_t graph;
+    CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    call.run(b, T);
+    CUDA_OK(cudaStreamEndCapture(s, &graph));
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int rep = 0; rep < 3; ++rep) {
+      const Inputs in = random_inputs(rng, T, g);
+      call.upload(in, s);
+      call.poison(std::size_t{T} * g.hidden, s);
+      CUDA_OK(cudaGraphLaunch(exec, s));
+      CUDA_OK(cudaStreamSynchronize(s));
+      const auto out = to_float(download<std::uint16_t>(call.out.p, std::size_t{T} * g.hidden));
+      EXPECT_LT(relative_error(out, reference(l, in)), 1e-2) << "replay " << rep;
+    }
+    CUDA_OK(cudaGraphExecDestroy(exec));
+    CUDA_OK(cudaGraphDestroy(graph));
+  }
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
+TEST_F(GpuMoe, TwoLayersShareOneScratchExpandedOnASideStream) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g{16, 256, 128, 4, GateUpOrder::w13};
+  Layer a(ScaleFormat::nvfp4, g, seed, 256);
+  Layer b(ScaleFormat::nvfp4, g, seed + 99, 256);
+  // Layer b's CSF weights re-prepared onto layer a's scratch.
+  MoeDeviceWeights d = b.csf->source();
+  d.w13_scales = b.s13.as<std::uint8_t>();
+  d.w2_scales = b.s2.as<std::uint8_t>();
+  ScaleScratch shared;
+  shared.w13 = a.scratch13.as<std::uint8_t>();
+  shared.w13_bytes = a.scratch13.n;
+  shared.w2 = a.scratch2.as<std::uint8_t>();
+  shared.w2_bytes = a.scratch2.n;
+  const MoeWeights wb = prepare_weights(b.plan_csf, d, &shared, nullptr);
+  cudaStream_t main_s, side;
+  CUDA_OK(cudaStreamCreateWithFlags(&main_s, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  cudaEvent_t a_ready, a_done, b_ready;
+  for (cudaEvent_t* e : {&a_ready, &a_done, &b_ready})
+    CUDA_OK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+  Call ca(a.plan_csf, 256), cb(b.plan_csf, 256);
+  const BoundMoe ba = bind(*a.csf, main_s, 256, ca.workspace(), true);
+  const BoundMoe bb = bind(wb, main_s, 256, cb.workspace(), true);
+  for (int step = 0; step < 3; ++step) {
+    const Inputs ia = random_inputs(rng, 100, g), ib = random_inputs(rng, 100, g);
+    ca.upload(ia, main_s);
+    cb.upload(ib, main_s);
+    ca.poison(ia.hidden.size(), main_s);
+    cb.poison(ib.hidden.size(), main_s);
+    // side: expand a -> main: run a -> side: (after a) expand b while main
+    // does other work -> main: run b.
+    expand_scales(*a.csf, side);
+    CUDA_OK(cudaEventRecord(a_ready, side));
+    CUDA_OK(cudaStreamWaitEvent(main_s, a_ready));
+    ca.run(ba, 100);
+    CUDA_OK(cudaEventRecord(a_done, main_s));
+    CUDA_OK(cudaStreamWaitEvent(side, a_done));
+    expand_scales(wb, side);
+    CUDA_OK(cudaEventRecord(b_ready, side));
+    // Stand-in for the next layer's attention on the main stream.
+    CUDA_OK(cudaMemsetAsync(ca.ws.p, 0, ca.ws.n, main_s));
+    CUDA_OK(cudaStreamWaitEvent(main_s, b_ready));
+    cb.run(bb, 100);
+    CUDA_OK(cudaStreamSynchronize(main_s));
+    const auto oa = to_float(download<std::uint16_t>(ca.out.p, ia.hidden.size()));
+    const auto ob = to_float(download<std::uint16_t>(cb.out.p, ib.hidden.size()));
+    EXPECT_LT(relative_error(oa, reference(a, ia)), 1e-2) << "layer a step " << step;
+    EXPECT_LT(relative_error(ob, reference(b, ib)), 1e-2) << "layer b step " << step;
+  }
+  for (cudaEvent_t e : {a_ready, a_done, b_ready}) CUDA_OK(cudaEventDestroy(e));
+  CUDA_OK(cudaStreamDestroy(main_s));
+  CUDA_OK(cudaStreamDestroy(side));
+}
+
+TEST_F(GpuMoe, RunsAllocateNothingAndRepeatBitwise) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g{32, 256, 128, 8, GateUpOrder::w13};
+  Layer l(ScaleFormat::nvfp4, g, seed, 2048);
+  Call call(l.plan_csf, 2048);
+  const Inputs in = random_inputs(rng, 2000, g);
+  call.upload(in, nullptr);
+  const BoundMoe routed = bind(*l.csf, nullptr, 2048, call.workspace(), false);
+  ASSERT_EQ(routed.mode_for(2000), MoeScaleMode::routed);
+  ASSERT_EQ(routed.mode_for(16), MoeScaleMode::stage_read);
+  const BoundMoe native = bind(*l.native, nullptr, 2048, call.workspace(), false);
+  // Warm-up: every kernel used below loads its module (lazy loading allocates).
+  call.run(routed, 2000);
+  call.run(routed, 16);
+  call.run(native, 16);
+  CUDA_OK(cudaDeviceSynchronize());
+  std::size_t free0 = 0, total = 0, free1 = 0;
+  CUDA_OK(cudaMemGetInfo(&free0, &total));
+  std::vector<std::uint16_t> first;
+  for (int i = 0; i < 10; ++i) {
+    call.poison(in.hidden.size(), nullptr);
+    call.run(i % 2 ? routed : native, i % 3 ? 2000 : 16);
+    call.run(routed, 2000);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto out = download<std::uint16_t>(call.out.p, in.hidden.size());
+    if (first.empty())
+      first = out;
+    else
+      EXPECT_TRUE(out == first) << "run " << i << " differs";
+  }
+  CUDA_OK(cudaMemGetInfo(&free1, &total));
+  EXPECT_EQ(free0, free1);
+}
+
+TEST_F(GpuMoe, HostChecksRejectBadArguments) {
+  CSFMOE_SEEDED(seed);
+  const MoeLayerGeometry g{8, 128, 64, 2, GateUpOrder::w13};
+  Layer l(ScaleFormat::nvfp4, g, seed, 64);
+  Call call(l.plan_csf, 64);
+  const BoundMoe b = bind(*l.csf, nullptr, 64, call.workspace(), false);
+  const auto* h = call.hidden.as<unsigned char>();
+  EXPECT_THROW(run(b, h + 2, 4, call.ids.p, IndexType::int64, call.weights.as<float>(), call.out.p),
+               InvalidArgument);
+  EXPECT_THROW(run(b, h, 65, call.ids.p, IndexType::int64, call.weights.as<float>(), call.out.p),
+               InvalidArgument);
+  EXPECT_THROW(run(b, h, 4, nullptr, IndexType::int64, call.weights.as<float>(), call.out.p),
+               InvalidArgument);
+  EXPECT_THROW(run(b, h, 4, call.ids.p, IndexType::int64, call.weights.as<float>(), call.hidden.p),
+               InvalidArgument);
+  std::vector<std::uint16_t> host(64 * 128);
+  EXPECT_THROW(run(b, host.data(), 4, call.ids.p, IndexType::int64, call.weights.as<float>(), call.out.p),
+               InvalidArgument);
+  EXPECT_THROW(bind(*l.csf, nullptr, 64, {call.ws.p, call.ws.n - 1}, false), InvalidArgument);
+  EXPECT_THROW(bind(*l.csf, nullptr, 65, call.workspace(), false), InvalidArgument);
+  EXPECT_THROW(bind(*l.native, nullptr, 64, call.workspace(), true), InvalidArgument);
+  MoeBindOptions opt;
+  opt.force_mode = MoeScaleMode::native;
+  EXPECT_THROW(bind(*l.csf, nullptr, 64, call.workspace(), false, opt), InvalidArgument);
+  opt.force_mode = MoeScaleMode::stage_read;
+  EXPECT_THROW(bind(*l.native, nullptr, 64, call.workspace(), false, opt), InvalidArgument);
+  EXPECT_TRUE(l.csf->source_scales_droppable());
+  EXPECT_FALSE(l.native->source_scales_droppable());
+  EXPECT_EQ(l.native->resident_scale_bytes(), l.plan_native.w13_scale_bytes + l.plan_native.w2_scale_bytes);
+  MoeDeviceWeights d = l.native->source();
+  d.w13 = d.w13 + 1;
+  EXPECT_THROW(prepare_weights(l.plan_native, d, nullptr, nullptr), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace csfmoe
