@@ -33,6 +33,7 @@ struct CompressArgs {
   std::string layout = "row_major";
   unsigned threads = 0;
   bool quiet = false;
+  unsigned tp = 1, tp_rank = 0;  // compress only: tensor-parallel slice to store
 };
 
 struct QuantizeArgs {

@@ -33,14 +33,11 @@ int run_inspect(const InspectArgs& a) {
   return 0;
 }
 
-int run_compress(const CompressArgs& a, unsigned tp, unsigned tp_rank);
-int run_compress(const CompressArgs& a) { return run_compress(a, 1, 0); }
-
-int run_compress(const CompressArgs& a, unsigned tp, unsigned tp_rank) {
+int run_compress(const CompressArgs& a) {
   check_output_path(a.in, a.out);
   CompressOptions o;
-  o.tp = tp;
-  o.tp_rank = tp_rank;
+  o.tp = a.tp;
+  o.tp_rank = a.tp_rank;
   o.threads = a.threads;
   o.layout = layout_arg(a.layout);
   ProgressPrinter progress("compress", a.quiet);
@@ -56,7 +53,7 @@ int run_compress(const CompressArgs& a, unsigned tp, unsigned tp_rank) {
   if (!a.quiet) {
     print_kept_native(stdout, report);
     print_report_table(stdout, report);
-    if (tp > 1) fmt::print("tensor-parallel slice: tp {} rank {}\n", tp, tp_rank);
+    if (a.tp > 1) fmt::print("tensor-parallel slice: tp {} rank {}\n", a.tp, a.tp_rank);
     fmt::print("wrote {}\n", a.out.string());
   }
   return 0;

@@ -9,11 +9,7 @@
 
 #include "cli.hpp"
 #include "csfmoe/errors.hpp"
-
-namespace csfmoe::cli {
-// compress with a tensor-parallel slice (commands.cpp).
-int run_compress(const CompressArgs& a, unsigned tp, unsigned tp_rank);
-}  // namespace csfmoe::cli
+#include "moe_command.hpp"
 
 namespace {
 
@@ -52,12 +48,11 @@ int main(int argc, char** argv) {
   c_compress->add_option("--threads", compress.threads, "worker threads (0: all cores)");
   c_compress->add_option("--layout", compress.layout, "layout of the source scale tensors")->check(layouts);
   c_compress->add_flag("--quiet,-q", compress.quiet, "no progress and no table");
-  unsigned compress_tp = 1, compress_rank = 0;
   c_compress
-      ->add_option("--tp", compress_tp,
+      ->add_option("--tp", compress.tp,
                    "tensor-parallel degree: store only rank --rank's slice of the MoE expert projections")
       ->check(CLI::Range(1u, 1024u));
-  c_compress->add_option("--rank", compress_rank, "tensor-parallel rank in [0, --tp)");
+  c_compress->add_option("--rank", compress.tp_rank, "tensor-parallel rank in [0, --tp)");
 
   CompressArgs decompress;
   auto* c_decompress = app.add_subcommand("decompress", "Restore the original checkpoint byte for byte");
@@ -109,6 +104,9 @@ int main(int argc, char** argv) {
   c_synth->add_option("--layout", synth.layout, "layout of the written scale tensors")->check(layouts);
   c_synth->add_flag("--quiet,-q", synth.quiet, "print nothing on success");
 
+  // `moe` runs from its own callback and exits with its own code.
+  register_moe_command(app);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -125,7 +123,7 @@ int main(int argc, char** argv) {
 
   try {
     if (c_inspect->parsed()) return run_inspect(inspect);
-    if (c_compress->parsed()) return run_compress(compress, compress_tp, compress_rank);
+    if (c_compress->parsed()) return run_compress(compress);
     if (c_decompress->parsed()) return run_decompress(decompress);
     if (c_verify->parsed()) return run_verify(verify);
     if (c_quantize->parsed()) return run_quantize(quantize);
