@@ -551,12 +551,14 @@ void check_plain_entry(const fs::path& folder, const std::string& name) {
   (void)fs::status(p, ec);
   if (ec == std::errc::too_many_symbolic_link_levels)
     throw FormatError(fmt::format("{}: '{}' is a symlink loop ({})", folder.string(), name, ec.message()));
-  if (ec) throw FormatError(fmt::format("{}: '{}' is a dangling symlink ({})", folder.string(), name, ec.message()));
+  if (ec)
+    throw FormatError(
+        fmt::format("{}: '{}' is a dangling symlink ({})", folder.string(), name, ec.message()));
   const fs::path target = fs::canonical(p, ec), base = fs::canonical(folder, ec);
   auto [b, t] = std::mismatch(base.begin(), base.end(), target.begin(), target.end());
   if (ec || b != base.end() || t == target.end())
-    throw FormatError(
-        fmt::format("{}: '{}' is a symlink that leaves the folder ({})", folder.string(), name, target.string()));
+    throw FormatError(fmt::format("{}: '{}' is a symlink that leaves the folder ({})", folder.string(), name,
+                                  target.string()));
 }
 
 void copy_plain(const fs::path& from, const fs::path& to) {

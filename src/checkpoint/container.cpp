@@ -61,6 +61,9 @@ void put_container_metadata(const ContainerInfo& info, st::Metadata& md) {
 namespace {
 
 ojson parse_json(const std::string& text, const std::string& what) {
+  // The lexer would stop at a NUL byte and ignore what follows.
+  if (const auto nul = text.find('\0'); nul != std::string::npos)
+    throw FormatError(fmt::format("{}: not valid JSON: a NUL byte at offset {}", what, nul));
   try {
     return ojson::parse(text);
   } catch (const nlohmann::json::exception& e) {

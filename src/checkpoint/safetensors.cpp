@@ -125,6 +125,11 @@ const TensorInfo* Header::find(std::string_view name) const {
 }
 
 Header parse_header(std::string_view json, std::uint64_t data_size, const std::string& label) {
+  // nlohmann's lexer takes a NUL byte for the end of the input, which would
+  // let arbitrary (non-UTF-8) bytes follow the JSON unnoticed.
+  if (const auto nul = json.find('\0'); nul != std::string_view::npos)
+    throw FormatError(fmt::format(
+        "{}: header holds a NUL byte at offset {} (it must be UTF-8 JSON padded with spaces)", label, nul));
   ojson root;
   try {
     DuplicateGuard guard(label);
@@ -297,7 +302,8 @@ void AtomicFile::flush() {
     const ssize_t w = ::pwrite(fd_, buf_.data() + done, buf_.size() - done, off);
     if (w < 0) {
       if (errno == EINTR) continue;
-      throw IoError(fmt::format("{}: write failed: {}", tmp_.string(), errno_text()));
+      throw IoError(
+          fmt::format("{}: write failed (temporary {}): {}", dest_.string(), tmp_.string(), errno_text()));
     }
     done += static_cast<std::size_t>(w);
   }
@@ -315,7 +321,8 @@ void AtomicFile::write(std::span<const std::uint8_t> bytes) {
           ::pwrite(fd_, bytes.data() + done, bytes.size() - done, static_cast<off_t>(at + done));
       if (w < 0) {
         if (errno == EINTR) continue;
-        throw IoError(fmt::format("{}: write failed: {}", tmp_.string(), errno_text()));
+        throw IoError(
+            fmt::format("{}: write failed (temporary {}): {}", dest_.string(), tmp_.string(), errno_text()));
       }
       done += static_cast<std::size_t>(w);
     }
@@ -343,7 +350,8 @@ void AtomicFile::pwrite(std::uint64_t offset, std::span<const std::uint8_t> byte
         ::pwrite(fd_, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + done));
     if (w < 0) {
       if (errno == EINTR) continue;
-      throw IoError(fmt::format("{}: write failed: {}", tmp_.string(), errno_text()));
+      throw IoError(
+          fmt::format("{}: write failed (temporary {}): {}", dest_.string(), tmp_.string(), errno_text()));
     }
     done += static_cast<std::size_t>(w);
   }
@@ -351,7 +359,9 @@ void AtomicFile::pwrite(std::uint64_t offset, std::span<const std::uint8_t> byte
 
 void AtomicFile::commit() {
   flush();
-  if (::fsync(fd_) != 0) throw IoError(fmt::format("{}: fsync failed: {}", tmp_.string(), errno_text()));
+  if (::fsync(fd_) != 0)
+    throw IoError(
+        fmt::format("{}: fsync failed (temporary {}): {}", dest_.string(), tmp_.string(), errno_text()));
   ::close(fd_);
   fd_ = -1;
   // RENAME_NOREPLACE: never clobber an output that appeared meanwhile.
@@ -472,6 +482,11 @@ fs::path resolve_inside(const fs::path& folder, const std::string& name, const s
   if (ec || !fs::exists(lst))
     throw FormatError(fmt::format("{}: '{}' does not exist in {}", what, name, folder.string()));
   if (fs::is_symlink(lst)) {
+    // A loop or a dangling link would otherwise read as "leaves the folder".
+    (void)fs::status(p, ec);
+    if (ec == std::errc::too_many_symbolic_link_levels)
+      throw FormatError(fmt::format("{}: '{}' is a symlink loop ({})", what, name, ec.message()));
+    if (ec) throw FormatError(fmt::format("{}: '{}' is a dangling symlink ({})", what, name, ec.message()));
     const fs::path target = fs::weakly_canonical(p, ec);
     const fs::path base = fs::weakly_canonical(folder, ec);
     auto [b, t] = std::mismatch(base.begin(), base.end(), target.begin(), target.end());
@@ -491,6 +506,8 @@ ShardIndex read_shard_index(const fs::path& index_file) {
     MappedFile m(index_file);
     idx.raw.assign(reinterpret_cast<const char*>(m.bytes().data()), m.size());
   }
+  if (const auto nul = idx.raw.find('\0'); nul != std::string::npos)
+    throw FormatError(fmt::format("{}: not valid JSON: a NUL byte at offset {}", label, nul));
   ojson root;
   try {
     DuplicateGuard guard(label);

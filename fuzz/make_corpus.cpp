@@ -1,0 +1,143 @@
+// Writes the seed corpora of the three fuzzers into <out>/<target>/:
+// small native checkpoints and their CSF containers (NVFP4 row-major and
+// swizzled, MXFP4 with ModelOpt and gpt-oss names, a tensor kept native, a
+// passthrough tensor, metadata), and codec inputs in fuzz_csf_decode's
+// format for every scale distribution. Deterministic: same seeds, same files.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "csf_fuzz_input.hpp"
+#include "csfmoe/checkpoint.hpp"
+#include "csfmoe/codec.hpp"
+#include "csfmoe/safetensors.hpp"
+#include "csfmoe/synthetic.hpp"
+
+namespace fs = std::filesystem;
+using namespace csfmoe;
+
+namespace {
+
+void put(const fs::path& p, const std::vector<std::uint8_t>& b) {
+  std::ofstream f(p, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
+}
+std::vector<std::uint8_t> get(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), {}};
+}
+
+struct Layer {
+  ScaleFormat format;
+  ScaleLayout layout;
+  bool gpt_oss;
+  ScaleDistribution dist;
+};
+
+// One small MoE projection: weight + block scales (+ NVFP4 globals) and a
+// BF16 passthrough tensor.
+void write_checkpoint(const fs::path& p, const Layer& l, std::uint64_t seed) {
+  const std::uint32_t E = 2, R = l.layout == ScaleLayout::swizzled_128x4 ? 128 : 64, K = 128;
+  const std::uint32_t g = group_size(l.format);
+  GridShape s{l.format, l.layout, E, R, K / g};
+  if (l.layout == ScaleLayout::swizzled_128x4) s.cols = static_cast<std::uint32_t>(round_up(s.cols, 4));
+  const auto scales = synthetic_scales(s, l.dist, seed);
+  std::mt19937_64 rng(seed);
+  std::vector<std::uint8_t> w(std::size_t{E} * R * K / 2);
+  for (auto& b : w) b = static_cast<std::uint8_t>(rng());
+  std::vector<std::uint8_t> bf16(64);
+  for (auto& b : bf16) b = static_cast<std::uint8_t>(rng());
+  st::Writer out(p, 4096);
+  const std::string x = "model.layers.0.mlp.experts.w13";
+  if (l.gpt_oss) {
+    out.add_tensor(x + "_blocks", st::Dtype::U8, {E, R, K / 32, 16}, w);
+    out.add_tensor(x + "_scales", st::Dtype::U8, {E, s.rows, s.cols}, scales);
+  } else {
+    out.add_tensor(x + ".weight", st::Dtype::U8, {E, R, K / 2}, w);
+    out.add_tensor(x + ".weight_scale", l.format == ScaleFormat::nvfp4 ? st::Dtype::F8_E4M3 : st::Dtype::U8,
+                   {E, s.rows, s.cols}, scales);
+    if (l.format == ScaleFormat::nvfp4) {
+      const std::vector<std::uint8_t> one = {0, 0, 0x80, 0x3f};
+      out.add_tensor(x + ".weight_scale_2", st::Dtype::F32, {}, one);
+    }
+  }
+  out.add_tensor("model.norm.weight", st::Dtype::BF16, {32}, bf16);
+  out.commit(st::Metadata{{"format", "pt"}});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    fmt::print(stderr, "usage: {} OUT_DIR\n", argv[0]);
+    return 2;
+  }
+  const fs::path out = argv[1];
+  for (const char* t : {"fuzz_safetensors_header", "fuzz_container", "fuzz_csf_decode"})
+    fs::create_directories(out / t);
+  const fs::path tmp = fs::temp_directory_path() / fmt::format("csfmoe-corpus-{}", ::getpid());
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+
+  const Layer layers[] = {
+      {ScaleFormat::nvfp4, ScaleLayout::row_major, false, ScaleDistribution::realistic},
+      {ScaleFormat::nvfp4, ScaleLayout::swizzled_128x4, false, ScaleDistribution::realistic},
+      {ScaleFormat::nvfp4, ScaleLayout::row_major, false, ScaleDistribution::uniform_random},  // kept native
+      {ScaleFormat::mxfp4, ScaleLayout::row_major, false, ScaleDistribution::extremes},
+      {ScaleFormat::mxfp4, ScaleLayout::row_major, true, ScaleDistribution::realistic},
+  };
+  int i = 0;
+  for (const auto& l : layers) {
+    const fs::path src = tmp / fmt::format("src{}.safetensors", i);
+    const fs::path csf = tmp / fmt::format("csf{}.safetensors", i);
+    write_checkpoint(src, l, 1000 + i);
+    CompressOptions o;
+    o.threads = 1;
+    o.layout = l.layout;
+    compress_checkpoint(src, csf, o);
+    fs::copy_file(src, out / "fuzz_safetensors_header" / fmt::format("native{}", i));
+    fs::copy_file(csf, out / "fuzz_safetensors_header" / fmt::format("container{}", i));
+    fs::copy_file(csf, out / "fuzz_container" / fmt::format("container{}", i));
+    ++i;
+  }
+  fs::remove_all(tmp);
+
+  // Codec inputs: header + recipe of a synthetic grid, for each format,
+  // layout and distribution; then a few raw-parts seeds.
+  int n = 0;
+  const ScaleDistribution dists[] = {ScaleDistribution::realistic, ScaleDistribution::dispersed,
+                                     ScaleDistribution::uniform_random, ScaleDistribution::constant,
+                                     ScaleDistribution::extremes};
+  for (int f = 0; f < 2; ++f)
+    for (int swz = 0; swz < 2; ++swz)
+      for (const auto d : dists) {
+        // rows selector 199 -> 200 rows (row-major) or 256 (swizzled); cols 20 / 24.
+        const std::uint8_t h[5] = {static_cast<std::uint8_t>(f | (swz << 1) | ((n % 3 == 0) << 3)),
+                                   static_cast<std::uint8_t>(n % 2), 199, 1,
+                                   static_cast<std::uint8_t>(19 + 4 * swz)};
+        const auto choice = csfmoe_fuzz::shape_from_header(h);
+        const auto src = synthetic_scales(choice.shape, d, 77 + n);
+        CodecOptions o;
+        o.threads = 1;
+        const CsfTensor t = encode(choice.shape, src, o);
+        std::vector<std::uint8_t> seed(h, h + 5);
+        const auto recipe = csfmoe_fuzz::write_recipe(t, src);
+        seed.insert(seed.end(), recipe.begin(), recipe.end());
+        put(out / "fuzz_csf_decode" / fmt::format("grid{}", n++), seed);
+      }
+  std::mt19937_64 rng(4242);
+  for (int k = 0; k < 4; ++k) {
+    std::vector<std::uint8_t> seed = {static_cast<std::uint8_t>(4 | (k & 1)), 0,
+                                      static_cast<std::uint8_t>(k * 40), 0, static_cast<std::uint8_t>(8 + k)};
+    for (int j = 0; j < 3000; ++j) seed.push_back(static_cast<std::uint8_t>(rng()));
+    put(out / "fuzz_csf_decode" / fmt::format("raw{}", k), seed);
+  }
+  fmt::print("wrote {} checkpoint seeds and {} codec seeds under {}\n", i, n + 4, out.string());
+  return 0;
+}
