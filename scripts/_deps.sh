@@ -1,7 +1,7 @@
-# Sourced by scripts/test and scripts/demo: installs the Debian packages the
-# build needs, but only those missing (apt-get update once, when needed).
+# Sourced by the scripts: installs the Debian packages the build needs (plus
+# any named as arguments), but only those missing (apt-get update once, when needed).
 csfmoe_install_deps() {
-  local pkgs=(cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev libfmt-dev zlib1g-dev)
+  local pkgs=(cmake g++ make libgtest-dev libbenchmark-dev nlohmann-json3-dev libcli11-dev libfmt-dev zlib1g-dev "$@")
   local missing=()
   local p
   for p in "${pkgs[@]}"; do
