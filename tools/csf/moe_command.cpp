@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <random>
@@ -15,6 +16,7 @@
 
 #include "csfmoe/errors.hpp"
 #include "csfmoe/moe.hpp"
+#include "csfmoe/moe_checkpoint.hpp"
 #include "csfmoe/synthetic.hpp"
 #if defined(CSFMOE_HAVE_CUDA)
 #include <cuda_runtime_api.h>
@@ -37,7 +39,23 @@ struct MoeArgs {
   bool cpu = false;
   bool no_check = false;
   double max_error = 1e-2;
+  std::optional<std::filesystem::path> checkpoint;
+  std::optional<std::string> layer;
 };
+
+// The layer named by --layer, or the checkpoint's only MoE layer.
+std::string pick_layer(const MoeArgs& a) {
+  if (a.layer) return *a.layer;
+  const auto layers = list_moe_layers(*a.checkpoint);
+  if (layers.size() == 1) return layers[0];
+  if (layers.empty())
+    throw InvalidArgument(fmt::format("csf moe: {} has no MoE layer (no expert block-scale tensors found)",
+                                      a.checkpoint->string()));
+  std::string list;
+  for (const auto& l : layers) list += (list.empty() ? "" : ", ") + l;
+  throw InvalidArgument(fmt::format("csf moe: {} has {} MoE layers; pick one with --layer: {}",
+                                    a.checkpoint->string(), layers.size(), list));
+}
 
 struct Inputs {
   std::vector<std::uint16_t> hidden;
@@ -170,25 +188,39 @@ std::vector<float> run_gpu(const MoeArgs& a, const MoeHostWeights& hw, const Inp
 #endif
 
 int run_moe(const MoeArgs& a) {
-  MoeLayerGeometry g;
-  const MoeGeometry& base = moe_geometry(a.model);
-  g.experts = a.experts.value_or(base.experts);
-  g.hidden = a.hidden.value_or(base.hidden);
-  g.intermediate = a.intermediate.value_or(base.intermediate);
-  g.topk = a.topk.value_or(base.topk);
-  const ScaleFormat f = parse_scale_format(a.format);
   if (a.tokens == 0) throw InvalidArgument("csf moe: --tokens must be at least 1");
   if (a.mode != "auto") (void)parse_moe_scale_mode(a.mode);
+  std::optional<MoeHostWeights> loaded;
+  std::string layer_name = a.model;
+  auto t0 = std::chrono::steady_clock::now();
+  if (a.checkpoint) {
+    layer_name = pick_layer(a);
+    loaded = load_moe_layer(*a.checkpoint, layer_name, a.topk.value_or(8));
+    layer_name = a.checkpoint->string() + " : " + layer_name;
+  }
+  MoeLayerGeometry g;
+  const MoeGeometry& base = moe_geometry(a.model);
+  if (loaded) {
+    g = loaded->geometry;
+  } else {
+    g.experts = a.experts.value_or(base.experts);
+    g.hidden = a.hidden.value_or(base.hidden);
+    g.intermediate = a.intermediate.value_or(base.intermediate);
+    g.topk = a.topk.value_or(base.topk);
+  }
+  const ScaleFormat f = loaded ? loaded->format : parse_scale_format(a.format);
   (void)plan_weights(f, g, MoeConstraints{ScaleCompression::none, a.tokens});  // validate before the big work
   const std::uint64_t elems = std::uint64_t{g.experts} * 3 * g.hidden * g.intermediate;
   const bool fast = elems > (std::uint64_t{1} << 27);
-  auto t0 = std::chrono::steady_clock::now();
-  const MoeHostWeights hw = synthetic_moe_weights(f, g, a.seed, fast);
+  const MoeHostWeights hw = loaded ? std::move(*loaded) : synthetic_moe_weights(f, g, a.seed, fast);
   const Inputs in = make_inputs(g, a.tokens, a.seed + 1);
-  const bool custom = a.experts || a.hidden || a.intermediate || a.topk;
-  fmt::print("layer: {}{} E={} H={} N={} k={} {} ({} weights, {:.1f} s to make), T={}\n", a.model,
+  const bool custom = !a.checkpoint && (a.experts || a.hidden || a.intermediate || a.topk);
+  fmt::print("layer: {}{} E={} H={} N={} k={} {} ({} weights, {:.1f} s to {}), T={}\n", layer_name,
              custom ? " (overridden)" : "", g.experts, g.hidden, g.intermediate, g.topk, to_string(f),
-             fast ? "uniform-code" : "quantized", seconds_since(t0), a.tokens);
+             a.checkpoint ? "checkpoint"
+             : fast       ? "uniform-code"
+                          : "quantized",
+             seconds_since(t0), a.checkpoint ? "load" : "make", a.tokens);
 
   std::vector<float> out;
   double ms = 0;
@@ -230,16 +262,25 @@ int run_moe(const MoeArgs& a) {
 void register_moe_command(CLI::App& app) {
   auto args = std::make_shared<MoeArgs>();
   auto* c = app.add_subcommand(
-      "moe", "Run one fused MoE layer of a synthetic geometry on the GPU (or CPU reference)");
-  c->add_option("--model", args->model, "geometry: deepseek-v3, kimi-k2, qwen3-30b-a3b, qwen3-235b-a22b")
-      ->capture_default_str();
-  c->add_option("--experts", args->experts, "override E");
-  c->add_option("--hidden", args->hidden, "override H (multiple of 64)");
-  c->add_option("--intermediate", args->intermediate, "override N (multiple of 64)");
-  c->add_option("--topk", args->topk, "override k");
-  c->add_option("--format", args->format, "nvfp4 or mxfp4")
-      ->check(CLI::IsMember({"nvfp4", "mxfp4"}))
-      ->capture_default_str();
+      "moe",
+      "Run one fused MoE layer of a checkpoint or of a synthetic geometry on the GPU (or CPU reference)");
+  auto* ck = c->add_option("--checkpoint", args->checkpoint,
+                           "safetensors file or folder (plain or CSF-compressed) to read the layer from");
+  auto* layer = c->add_option("--layer", args->layer,
+                              "MoE layer key, e.g. model.layers.3.mlp.experts (default: the only one)");
+  layer->needs(ck);
+  auto* model =
+      c->add_option("--model", args->model, "geometry: deepseek-v3, kimi-k2, qwen3-30b-a3b, qwen3-235b-a22b")
+          ->capture_default_str();
+  auto* experts = c->add_option("--experts", args->experts, "override E");
+  auto* hidden = c->add_option("--hidden", args->hidden, "override H (multiple of 64)");
+  auto* inter = c->add_option("--intermediate", args->intermediate, "override N (multiple of 64)");
+  c->add_option("--topk", args->topk, "override k (with --checkpoint: default 8)");
+  auto* format = c->add_option("--format", args->format, "nvfp4 or mxfp4")
+                     ->check(CLI::IsMember({"nvfp4", "mxfp4"}))
+                     ->capture_default_str();
+  // A checkpoint fixes the geometry and format.
+  for (auto* o : {model, experts, hidden, inter, format}) ck->excludes(o);
   c->add_option("--tokens,-t", args->tokens, "tokens per call")->capture_default_str();
   c->add_option("--mode", args->mode, "auto (CSF, frozen rule), native, expanded, routed, stage_read")
       ->check(CLI::IsMember({"auto", "native", "expanded", "routed", "stage_read"}))

@@ -1,0 +1,45 @@
+// Reading one MoE layer's expert weights out of a safetensors checkpoint (a
+// file or a folder of shards; plain or CSF-compressed containers, whose CSF
+// scale parts are decoded and CRC-checked) into MoeHostWeights.
+//
+// Layouts recognised for a layer key L (e.g. "model.layers.3.mlp.experts"):
+//   stacked (csf synth, ModelOpt names):
+//     L.w13.weight U8 [E, 2N, H/2], L.w13.weight_scale F8_E4M3|U8 [E, 2N, H/16]
+//     (H/32 columns: MXFP4, U8|F8_E8M0), L.w13.weight_scale_2 F32 [] | [1] | [E]
+//     (NVFP4 only), and the same for w2 with [E, H, N/2] and [E, H, N/g].
+//   gpt-oss MXFP4: L.gate_up_proj_blocks U8 [E, 2N, H/32, 16] with
+//     L.gate_up_proj_scales [E, 2N, H/32], L.down_proj_blocks/_scales likewise.
+//     Rows are taken in the fused [gate; up] order (as csf synth writes them);
+//     expert biases (L.gate_up_proj_bias, ...) are refused as Unsupported.
+//   per-expert (ModelOpt): L.<e>.gate_proj / up_proj / down_proj (or w1 / w3 /
+//     w2) .weight [R, K/2], .weight_scale [R, K/g], .weight_scale_2 [] | [1],
+//     experts 0..E-1; gate and up are stacked into w13 (gate rows first). Gate
+//     and up must share their global scale (the MoE API has one per expert and
+//     projection): different ones are refused as Unsupported.
+// Scale tensors are read row-major unless the file's __metadata__ says
+// "csfmoe.scale_layout": "swizzled_128x4" (or the CSF descriptor does).
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "csfmoe/moe.hpp"
+
+namespace csfmoe {
+
+// Loads layer `layer_key` with geometry.topk = topk, order w13, and checks it
+// with plan_weights. Throws InvalidArgument (unknown layer: the message lists
+// the checkpoint's layers; geometry refused by plan_weights), FormatError
+// (missing tensor, wrong dtype or shape, experts that disagree), Unsupported
+// (gate/up global scales that differ), CorruptData (container CRC mismatch),
+// IoError; every message names the file and the tensor.
+MoeHostWeights load_moe_layer(const std::filesystem::path& checkpoint, std::string_view layer_key,
+                              unsigned topk);
+
+// MoE layer keys that hold detected expert block-scale tensors, in natural
+// order ("layers.2" before "layers.10").
+std::vector<std::string> list_moe_layers(const std::filesystem::path& checkpoint);
+
+}  // namespace csfmoe

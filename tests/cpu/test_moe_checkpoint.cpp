@@ -1,0 +1,598 @@
+// load_moe_layer / list_moe_layers: checkpoints written here with the
+// library's safetensors writer (stacked csf-synth names, gpt-oss MXFP4 names,
+// per-expert ModelOpt tensors from quantize_nvfp4) are read back byte for
+// byte, also through CSF containers; adversarial checkpoints are refused with
+// typed errors naming the file and tensor; `csf moe --checkpoint` runs.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <optional>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "csfmoe/checkpoint.hpp"
+#include "csfmoe/errors.hpp"
+#include "csfmoe/moe_checkpoint.hpp"
+#include "csfmoe/quantize.hpp"
+#include "csfmoe/safetensors.hpp"
+#include "test_seed.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace csfmoe;
+using Bytes = std::vector<std::uint8_t>;
+
+struct Tensor {
+  std::string name;
+  st::Dtype dtype;
+  std::vector<std::uint64_t> shape;
+  Bytes data;
+};
+
+template <class T>
+Bytes bytes_of(const std::vector<T>& v) {
+  Bytes b(v.size() * sizeof(T));
+  if (!b.empty()) std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+Bytes slice(const Bytes& b, std::uint64_t begin, std::uint64_t n) {
+  return Bytes(b.begin() + begin, b.begin() + begin + n);
+}
+
+void write_st(const fs::path& p, const std::vector<Tensor>& ts, const std::optional<st::Metadata>& md = {}) {
+  st::Writer w(p, 1 << 16);
+  for (const auto& t : ts) w.add_tensor(t.name, t.dtype, t.shape, t.data);
+  w.commit(md);
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "csfmoe-moeck-XXXXXX").string();
+    if (!mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  const fs::path& path() const { return path_; }
+  fs::path operator/(const std::string& n) const { return path_ / n; }
+
+ private:
+  fs::path path_;
+};
+
+MoeLayerGeometry random_geometry(std::mt19937_64& rng) {
+  MoeLayerGeometry g;
+  g.experts = std::uniform_int_distribution<std::uint32_t>(2, 5)(rng);
+  g.hidden = 64 * std::uniform_int_distribution<std::uint32_t>(1, 3)(rng);
+  g.intermediate = 64 * std::uniform_int_distribution<std::uint32_t>(1, 2)(rng);
+  g.topk = std::uniform_int_distribution<std::uint32_t>(1, g.experts)(rng);
+  return g;
+}
+
+// The stacked tensors `csf synth` writes for one layer (NVFP4 ModelOpt or gpt-oss MXFP4 names).
+std::vector<Tensor> stacked_tensors(const std::string& L, const MoeHostWeights& w,
+                                    bool scalar_globals = false) {
+  const std::uint64_t E = w.geometry.experts, H = w.geometry.hidden, N = w.geometry.intermediate;
+  const std::uint64_t g = group_size(w.format);
+  if (w.format == ScaleFormat::mxfp4)
+    return {{L + ".gate_up_proj_blocks", st::Dtype::U8, {E, 2 * N, H / 32, 16}, w.w13},
+            {L + ".gate_up_proj_scales", st::Dtype::U8, {E, 2 * N, H / 32}, w.w13_scales},
+            {L + ".down_proj_blocks", st::Dtype::U8, {E, H, N / 32, 16}, w.w2},
+            {L + ".down_proj_scales", st::Dtype::U8, {E, H, N / 32}, w.w2_scales}};
+  auto glob = [&](const std::vector<float>& v) {
+    return scalar_globals ? Tensor{"", st::Dtype::F32, {}, bytes_of(std::vector<float>{v[0]})}
+                          : Tensor{"", st::Dtype::F32, {E}, bytes_of(v)};
+  };
+  Tensor g13 = glob(w.w13_global), g2 = glob(w.w2_global);
+  g13.name = L + ".w13.weight_scale_2";
+  g2.name = L + ".w2.weight_scale_2";
+  return {{L + ".w13.weight", st::Dtype::U8, {E, 2 * N, H / 2}, w.w13},
+          {L + ".w13.weight_scale", st::Dtype::F8_E4M3, {E, 2 * N, H / g}, w.w13_scales},
+          g13,
+          {L + ".w13.input_scale", st::Dtype::F32, {E}, bytes_of(std::vector<float>(E, 1.0f))},
+          {L + ".w2.weight", st::Dtype::U8, {E, H, N / 2}, w.w2},
+          {L + ".w2.weight_scale", st::Dtype::F8_E4M3, {E, H, N / g}, w.w2_scales},
+          g2};
+}
+
+void expect_same(const MoeHostWeights& a, const MoeHostWeights& b) {
+  EXPECT_EQ(a.format, b.format);
+  EXPECT_EQ(a.geometry.experts, b.geometry.experts);
+  EXPECT_EQ(a.geometry.hidden, b.geometry.hidden);
+  EXPECT_EQ(a.geometry.intermediate, b.geometry.intermediate);
+  EXPECT_EQ(a.geometry.topk, b.geometry.topk);
+  EXPECT_EQ(a.geometry.order, b.geometry.order);
+  EXPECT_TRUE(a.w13 == b.w13);
+  EXPECT_TRUE(a.w13_scales == b.w13_scales);
+  EXPECT_TRUE(a.w2 == b.w2);
+  EXPECT_TRUE(a.w2_scales == b.w2_scales);
+  EXPECT_EQ(bytes_of(a.w13_global), bytes_of(b.w13_global));
+  EXPECT_EQ(bytes_of(a.w2_global), bytes_of(b.w2_global));
+}
+
+// Reference outputs of both weight sets on the same random tokens must be identical.
+void expect_same_reference(const MoeHostWeights& a, const MoeHostWeights& b, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const std::uint32_t T = 3, k = a.geometry.topk, H = a.geometry.hidden;
+  std::normal_distribution<float> x;
+  std::vector<std::uint16_t> hidden(std::size_t{T} * H);
+  for (auto& v : hidden) v = float_to_bf16(x(rng));
+  std::vector<std::int32_t> ids(std::size_t{T} * k);
+  std::vector<float> wts(ids.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    ids[i] = std::uniform_int_distribution<std::int32_t>(0, a.geometry.experts - 1)(rng);
+    wts[i] = std::uniform_real_distribution<float>(0.1f, 1.0f)(rng);
+  }
+  std::vector<float> oa(hidden.size()), ob(hidden.size());
+  moe_reference(a, hidden, T, ids, wts, oa, 1);
+  moe_reference(b, hidden, T, ids, wts, ob, 1);
+  EXPECT_EQ(bytes_of(oa), bytes_of(ob));
+  double norm = 0;
+  for (float v : oa) norm += double(v) * v;
+  EXPECT_GT(norm, 0.0);  // a layer of zeros would make the comparison vacuous
+}
+
+// Per-expert ModelOpt layer from quantize_nvfp4 of random matrices, and the weights it must load as.
+struct PerExpert {
+  std::vector<Tensor> tensors;
+  MoeHostWeights expected;
+};
+PerExpert per_expert_layer(const std::string& L, const MoeLayerGeometry& g, std::uint64_t seed,
+                           const char* gate = "gate_proj", const char* up = "up_proj",
+                           const char* down = "down_proj") {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, 0.02f);
+  auto mat = [&](std::size_t n) {
+    std::vector<float> m(n);
+    for (auto& v : m) v = d(rng);
+    return m;
+  };
+  PerExpert out;
+  MoeHostWeights& w = out.expected;
+  w.format = ScaleFormat::nvfp4;
+  w.geometry = g;
+  const std::uint64_t H = g.hidden, N = g.intermediate;
+  for (std::uint32_t e = 0; e < g.experts; ++e) {
+    const QuantizedMatrix qg = quantize_nvfp4(mat(N * H), N, H);
+    // ModelOpt shares the w1/w3 global scale; the loader requires it.
+    const QuantizedMatrix qu = quantize_nvfp4(mat(N * H), N, H, qg.global_scale);
+    const QuantizedMatrix qd = quantize_nvfp4(mat(H * N), H, N);
+    const std::string p = L + "." + std::to_string(e) + ".";
+    // Alternate [] and [1] global shapes.
+    const std::vector<std::uint64_t> gs =
+        e % 2 ? std::vector<std::uint64_t>{1} : std::vector<std::uint64_t>{};
+    for (const auto& [name, q, rows, k] :
+         {std::tuple{gate, &qg, N, H}, std::tuple{up, &qu, N, H}, std::tuple{down, &qd, H, N}}) {
+      out.tensors.push_back({p + name + ".weight", st::Dtype::U8, {rows, k / 2}, q->packed});
+      out.tensors.push_back({p + name + ".weight_scale", st::Dtype::F8_E4M3, {rows, k / 16}, q->scales});
+      out.tensors.push_back(
+          {p + name + ".weight_scale_2", st::Dtype::F32, gs, bytes_of(std::vector<float>{q->global_scale})});
+    }
+    w.w13.insert(w.w13.end(), qg.packed.begin(), qg.packed.end());
+    w.w13.insert(w.w13.end(), qu.packed.begin(), qu.packed.end());
+    w.w13_scales.insert(w.w13_scales.end(), qg.scales.begin(), qg.scales.end());
+    w.w13_scales.insert(w.w13_scales.end(), qu.scales.begin(), qu.scales.end());
+    w.w2.insert(w.w2.end(), qd.packed.begin(), qd.packed.end());
+    w.w2_scales.insert(w.w2_scales.end(), qd.scales.begin(), qd.scales.end());
+    w.w13_global.push_back(qg.global_scale);
+    w.w2_global.push_back(qd.global_scale);
+  }
+  // Unrelated tensors around the experts, as in a real model.
+  out.tensors.push_back({L.substr(0, L.rfind('.')) + ".gate.weight",
+                         st::Dtype::F32,
+                         {g.experts, H},
+                         bytes_of(mat(std::size_t{g.experts} * H))});
+  return out;
+}
+
+CompressOptions force_csf() {
+  CompressOptions o;
+  o.keep_unprofitable = false;  // every scale tensor as CSF parts, so decoding is exercised
+  o.threads = 1;
+  return o;
+}
+
+std::size_t csf_tensors(const CheckpointReport& r) {
+  std::size_t n = 0;
+  for (const auto& t : r.tensors) n += t.action == TensorAction::csf;
+  return n;
+}
+
+template <class E, class F>
+std::string expect_throw(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "wrong exception type: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "no exception";
+  return {};
+}
+
+const std::string kL0 = "model.layers.0.mlp.experts";
+
+TEST(MoeCheckpoint, StackedNvfp4RoundTripsAndCompressed) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g = random_geometry(rng);
+  const MoeHostWeights w = synthetic_moe_weights(ScaleFormat::nvfp4, g, seed);
+  TempDir dir;
+  const fs::path f = dir / "model.safetensors";
+  write_st(f, stacked_tensors(kL0, w));
+  EXPECT_EQ(list_moe_layers(f), std::vector<std::string>{kL0});
+  const MoeHostWeights got = load_moe_layer(f, kL0, g.topk);
+  expect_same(got, w);
+  expect_same_reference(got, w, seed + 1);
+
+  const CheckpointReport rep = compress_checkpoint(f, dir / "c.safetensors", force_csf());
+  EXPECT_EQ(csf_tensors(rep), 2u);
+  ASSERT_TRUE(is_csf_container(dir / "c.safetensors"));
+  EXPECT_EQ(list_moe_layers(dir / "c.safetensors"), std::vector<std::string>{kL0});
+  expect_same(load_moe_layer(dir / "c.safetensors", kL0, g.topk), w);
+}
+
+TEST(MoeCheckpoint, ScalarGlobalsBroadcast) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g = random_geometry(rng);
+  MoeHostWeights w = synthetic_moe_weights(ScaleFormat::nvfp4, g, seed);
+  w.w13_global.assign(g.experts, w.w13_global[0]);
+  w.w2_global.assign(g.experts, w.w2_global[0]);
+  TempDir dir;
+  write_st(dir / "m.safetensors", stacked_tensors(kL0, w, /*scalar_globals=*/true));
+  expect_same(load_moe_layer(dir / "m.safetensors", kL0, g.topk), w);
+}
+
+TEST(MoeCheckpoint, GptOssMxfp4) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g = random_geometry(rng);
+  const MoeHostWeights w = synthetic_moe_weights(ScaleFormat::mxfp4, g, seed);
+  TempDir dir;
+  write_st(dir / "m.safetensors", stacked_tensors(kL0, w));
+  const MoeHostWeights got = load_moe_layer(dir / "m.safetensors", kL0, g.topk);
+  expect_same(got, w);
+  expect_same_reference(got, w, seed + 1);
+  compress_checkpoint(dir / "m.safetensors", dir / "c.safetensors", force_csf());
+  expect_same(load_moe_layer(dir / "c.safetensors", kL0, g.topk), w);
+
+  // Expert biases have no place in the MoE API: refused, not dropped.
+  auto ts = stacked_tensors(kL0, w);
+  const std::uint64_t E = g.experts, N = g.intermediate;
+  ts.push_back({kL0 + ".gate_up_proj_bias", st::Dtype::F32, {E, 2 * N}, Bytes(E * 2 * N * 4)});
+  write_st(dir / "bias.safetensors", ts);
+  const auto m = expect_throw<Unsupported>([&] { load_moe_layer(dir / "bias.safetensors", kL0, g.topk); });
+  EXPECT_NE(m.find(kL0 + ".gate_up_proj_bias"), std::string::npos) << m;
+}
+
+TEST(MoeCheckpoint, SwizzledScalesFromMetadata) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g = random_geometry(rng);
+  const MoeHostWeights w = synthetic_moe_weights(ScaleFormat::nvfp4, g, seed);
+  auto ts = stacked_tensors(kL0, w);
+  const GridShape s13{ScaleFormat::nvfp4, ScaleLayout::row_major, g.experts, 2 * g.intermediate,
+                      g.hidden / 16};
+  const GridShape s2{ScaleFormat::nvfp4, ScaleLayout::row_major, g.experts, g.hidden, g.intermediate / 16};
+  ts[1].data = relayout_scales(s13, w.w13_scales, ScaleLayout::swizzled_128x4);
+  ts[1].shape = {g.experts, round_up(s13.rows, 128), round_up(s13.cols, 4)};
+  ts[5].data = relayout_scales(s2, w.w2_scales, ScaleLayout::swizzled_128x4);
+  ts[5].shape = {g.experts, round_up(s2.rows, 128), round_up(s2.cols, 4)};
+  // The w13 grid needs no padding (2N is a multiple of 128), so only the metadata tells
+  // the layouts apart; the bytes must differ for the test to mean anything.
+  ASSERT_NE(ts[1].data, w.w13_scales);
+  TempDir dir;
+  write_st(dir / "m.safetensors", ts, st::Metadata{{"csfmoe.scale_layout", "swizzled_128x4"}});
+  expect_same(load_moe_layer(dir / "m.safetensors", kL0, g.topk), w);
+  CompressOptions o = force_csf();
+  o.layout = ScaleLayout::swizzled_128x4;
+  compress_checkpoint(dir / "m.safetensors", dir / "c.safetensors", o);
+  expect_same(load_moe_layer(dir / "c.safetensors", kL0, g.topk), w);
+}
+
+TEST(MoeCheckpoint, PerExpertModelOpt) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g = random_geometry(rng);
+  const PerExpert pe = per_expert_layer(kL0, g, seed);
+  TempDir dir;
+  write_st(dir / "m.safetensors", pe.tensors);
+  EXPECT_EQ(list_moe_layers(dir / "m.safetensors"), std::vector<std::string>{kL0});
+  const MoeHostWeights got = load_moe_layer(dir / "m.safetensors", kL0, g.topk);
+  expect_same(got, pe.expected);
+  expect_same_reference(got, pe.expected, seed + 1);
+  compress_checkpoint(dir / "m.safetensors", dir / "c.safetensors", force_csf());
+  expect_same(load_moe_layer(dir / "c.safetensors", kL0, g.topk), pe.expected);
+
+  // Mixtral-style w1 / w3 / w2 names load the same way.
+  const PerExpert mx = per_expert_layer(kL0, g, seed + 7, "w1", "w3", "w2");
+  write_st(dir / "mixtral.safetensors", mx.tensors);
+  expect_same(load_moe_layer(dir / "mixtral.safetensors", kL0, g.topk), mx.expected);
+}
+
+TEST(MoeCheckpoint, ShardedFolderAndNaturalOrder) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g = random_geometry(rng);
+  const MoeHostWeights a = synthetic_moe_weights(ScaleFormat::nvfp4, g, seed);
+  const MoeHostWeights b = synthetic_moe_weights(ScaleFormat::nvfp4, g, seed + 1);
+  const PerExpert c = per_expert_layer("model.layers.2.mlp.experts", g, seed + 2);
+  TempDir dir;
+  fs::create_directory(dir / "ck");
+  write_st(dir / "ck" / "model-00001-of-00002.safetensors",
+           stacked_tensors("model.layers.10.mlp.experts", a));
+  auto second = stacked_tensors("model.layers.9.mlp.experts", b);
+  second.insert(second.end(), c.tensors.begin(), c.tensors.end());
+  write_st(dir / "ck" / "model-00002-of-00002.safetensors", second);
+  const std::vector<std::string> want = {"model.layers.2.mlp.experts", "model.layers.9.mlp.experts",
+                                         "model.layers.10.mlp.experts"};
+  EXPECT_EQ(list_moe_layers(dir / "ck"), want);
+  expect_same(load_moe_layer(dir / "ck", want[2], g.topk), a);
+  expect_same(load_moe_layer(dir / "ck", want[1], g.topk), b);
+  expect_same(load_moe_layer(dir / "ck", want[0], g.topk), c.expected);
+  compress_checkpoint(dir / "ck", dir / "cc", force_csf());
+  EXPECT_EQ(list_moe_layers(dir / "cc"), want);
+  expect_same(load_moe_layer(dir / "cc", want[2], g.topk), a);
+  expect_same(load_moe_layer(dir / "cc", want[0], g.topk), c.expected);
+}
+
+TEST(MoeCheckpoint, RefusesBrokenCheckpoints) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g = random_geometry(rng);
+  const MoeHostWeights w = synthetic_moe_weights(ScaleFormat::nvfp4, g, seed);
+  TempDir dir;
+  int n = 0;
+  // Writes the layer with `edit` applied; returns the file.
+  auto variant = [&](auto edit) {
+    auto ts = stacked_tensors(kL0, w);
+    edit(ts);
+    const fs::path p = dir / ("v" + std::to_string(n++) + ".safetensors");
+    write_st(p, ts);
+    return p;
+  };
+  auto has = [](const std::string& msg, const std::string& part) {
+    EXPECT_NE(msg.find(part), std::string::npos) << msg << " does not name " << part;
+  };
+
+  {  // a missing tensor
+    const fs::path p = variant([](auto& ts) { ts.erase(ts.begin() + 5); });
+    const auto m = expect_throw<FormatError>([&] { load_moe_layer(p, kL0, g.topk); });
+    has(m, p.string());
+    has(m, kL0 + ".w2.weight_scale");
+  }
+  {  // an unknown layer lists the real ones
+    const fs::path p = variant([](auto&) {});
+    const auto m =
+        expect_throw<InvalidArgument>([&] { load_moe_layer(p, "model.layers.7.mlp.experts", g.topk); });
+    has(m, "model.layers.7.mlp.experts");
+    has(m, kL0);
+  }
+  {  // w2 from a different expert count
+    auto p = variant([&](auto& ts) {
+      ts[4].shape[0] += 1;
+      ts[4].data.resize(ts[4].data.size() / g.experts * (g.experts + 1));
+    });
+    const auto m = expect_throw<FormatError>([&] { load_moe_layer(p, kL0, g.topk); });
+    has(m, kL0 + ".w2.weight");
+  }
+  {  // a BF16 block scale whose shape proves NVFP4
+    auto p = variant([](auto& ts) {
+      ts[1].dtype = st::Dtype::BF16;
+      ts[1].shape.back() /= 2;
+    });
+    EXPECT_THROW(load_moe_layer(p, kL0, g.topk), FormatError);
+  }
+  {  // global scales of the wrong length, and a NaN global
+    auto p = variant([](auto& ts) {
+      ts[2].shape = {2, ts[2].shape[0]};
+      ts[2].data.insert(ts[2].data.end(), ts[2].data.begin(), ts[2].data.end());
+    });
+    has(expect_throw<FormatError>([&] { load_moe_layer(p, kL0, g.topk); }), kL0 + ".w13.weight_scale_2");
+    p = variant([](auto& ts) {
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      std::memcpy(ts[6].data.data(), &nan, 4);
+    });
+    has(expect_throw<FormatError>([&] { load_moe_layer(p, kL0, g.topk); }), kL0 + ".w2.weight_scale_2");
+  }
+  {  // k out of range is refused by plan_weights, named with the layer
+    const fs::path p = variant([](auto&) {});
+    has(expect_throw<InvalidArgument>([&] { load_moe_layer(p, kL0, 0); }), kL0);
+    has(expect_throw<InvalidArgument>([&] { load_moe_layer(p, kL0, MoePlan::kMaxTopk + 1); }), kL0);
+  }
+  {  // H = 32: a valid FP4 layer that the MoE kernels' 64-wide tiles cannot take
+    MoeLayerGeometry s = g;
+    s.hidden = 32;
+    MoeHostWeights small = w;
+    small.geometry = s;
+    const std::uint64_t E = s.experts, N = s.intermediate;
+    small.w13.assign(E * 2 * N * 16, 0x21);
+    small.w13_scales.assign(E * 2 * N * 2, 0x38);
+    small.w2.assign(E * 32 * N / 2, 0x12);
+    small.w2_scales.assign(E * 32 * N / 16, 0x38);
+    write_st(dir / "h32.safetensors", stacked_tensors(kL0, small));
+    has(expect_throw<InvalidArgument>([&] { load_moe_layer(dir / "h32.safetensors", kL0, g.topk); }), "H=32");
+  }
+  {  // a corrupted container tensor is caught by its CRC
+    const fs::path p = variant([](auto&) {});
+    const fs::path c = dir / "corrupt.safetensors";
+    compress_checkpoint(p, c, force_csf());
+    std::uint64_t off = 0;
+    {
+      const st::File f = st::File::open(c);
+      const st::TensorInfo* t = f.find(kL0 + ".w13.weight");
+      ASSERT_NE(t, nullptr);
+      off =
+          f.data_offset() + t->begin + std::uniform_int_distribution<std::uint64_t>(0, t->nbytes() - 1)(rng);
+    }
+    std::fstream io(c, std::ios::in | std::ios::out | std::ios::binary);
+    io.seekg(static_cast<std::streamoff>(off));
+    char ch = 0;
+    io.read(&ch, 1);
+    ch = static_cast<char>(ch ^ 0x10);
+    io.seekp(static_cast<std::streamoff>(off));
+    io.write(&ch, 1);
+    io.close();
+    has(expect_throw<CorruptData>([&] { load_moe_layer(c, kL0, g.topk); }), kL0 + ".w13.weight");
+  }
+  EXPECT_THROW(load_moe_layer(dir / "absent.safetensors", kL0, 1), IoError);
+  EXPECT_THROW(list_moe_layers(dir / "absent"), IoError);
+  fs::create_directory(dir / "empty");
+  EXPECT_THROW(list_moe_layers(dir / "empty"), InvalidArgument);
+}
+
+TEST(MoeCheckpoint, RefusesBrokenPerExpertLayers) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  MoeLayerGeometry g = random_geometry(rng);
+  g.experts = std::max(g.experts, 3u);
+  TempDir dir;
+  int n = 0;
+  auto variant = [&](auto edit) {
+    PerExpert pe = per_expert_layer(kL0, g, seed);
+    edit(pe.tensors);
+    const fs::path p = dir / ("v" + std::to_string(n++) + ".safetensors");
+    write_st(p, pe.tensors);
+    return p;
+  };
+  auto erase_prefix = [](std::vector<Tensor>& ts, const std::string& prefix) {
+    std::erase_if(ts, [&](const Tensor& t) { return t.name.starts_with(prefix); });
+  };
+  auto find = [](std::vector<Tensor>& ts, const std::string& name) -> Tensor& {
+    for (auto& t : ts)
+      if (t.name == name) return t;
+    throw std::runtime_error("no tensor " + name);
+  };
+  {  // gate and up with different global scales need requantization
+    const std::uint32_t e = std::uniform_int_distribution<std::uint32_t>(0, g.experts - 1)(rng);
+    const std::string up = kL0 + "." + std::to_string(e) + ".up_proj.weight_scale_2";
+    const fs::path p = variant([&](auto& ts) {
+      float v;
+      std::memcpy(&v, find(ts, up).data.data(), 4);
+      v *= 1.5f;
+      std::memcpy(find(ts, up).data.data(), &v, 4);
+    });
+    const auto m = expect_throw<Unsupported>([&] { load_moe_layer(p, kL0, g.topk); });
+    EXPECT_NE(m.find(up), std::string::npos) << m;
+    EXPECT_NE(m.find(kL0 + "." + std::to_string(e) + ".gate_proj.weight_scale_2"), std::string::npos) << m;
+  }
+  {  // a hole in the expert numbering
+    const fs::path p = variant([&](auto& ts) { erase_prefix(ts, kL0 + ".1."); });
+    const auto m = expect_throw<FormatError>([&] { load_moe_layer(p, kL0, g.topk); });
+    EXPECT_NE(m.find(kL0 + ".1."), std::string::npos) << m;
+  }
+  {  // one expert with a different intermediate size
+    const std::string p2 = kL0 + "." + std::to_string(g.experts - 1) + ".";
+    const fs::path p = variant([&](auto& ts) {
+      erase_prefix(ts, p2);
+      MoeLayerGeometry other = g;
+      other.intermediate += 64;
+      other.experts = 1;
+      for (auto t : per_expert_layer(kL0, other, seed + 3).tensors)
+        if (t.name.starts_with(kL0 + ".0.")) {
+          t.name = p2 + t.name.substr(kL0.size() + 3);
+          ts.push_back(std::move(t));
+        }
+    });
+    const auto m = expect_throw<FormatError>([&] { load_moe_layer(p, kL0, g.topk); });
+    EXPECT_NE(m.find(p2), std::string::npos) << m;
+  }
+  {  // a missing global scale
+    const std::string name = kL0 + ".0.down_proj.weight_scale_2";
+    const fs::path p =
+        variant([&](auto& ts) { std::erase_if(ts, [&](const Tensor& t) { return t.name == name; }); });
+    const auto m = expect_throw<FormatError>([&] { load_moe_layer(p, kL0, g.topk); });
+    EXPECT_NE(m.find(name), std::string::npos) << m;
+  }
+  {  // per-expert [E] globals are not a per-expert tensor's shape
+    const std::string name = kL0 + ".0.down_proj.weight_scale_2";
+    const fs::path p = variant([&](auto& ts) {
+      Tensor& t = find(ts, name);
+      t.shape = {2};
+      t.data.insert(t.data.end(), t.data.begin(), t.data.end());
+    });
+    EXPECT_THROW(load_moe_layer(p, kL0, g.topk), FormatError);
+  }
+}
+
+// --- the CLI ----------------------------------------------------------------
+struct CliRun {
+  int code = -1;
+  std::string out, err;
+};
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+CliRun csf(const TempDir& dir, const std::string& args) {
+  const fs::path o = dir / "stdout.txt", e = dir / "stderr.txt";
+  const std::string cmd =
+      std::string("'") + CSFMOE_CSF_BINARY + "' " + args + " >'" + o.string() + "' 2>'" + e.string() + "'";
+  const int st = std::system(cmd.c_str());
+  CliRun r;
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  r.out = read_text(o);
+  r.err = read_text(e);
+  return r;
+}
+
+TEST(MoeCheckpointCli, RunsALayerOfACheckpoint) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  MoeLayerGeometry g = random_geometry(rng);
+  const MoeHostWeights w = synthetic_moe_weights(ScaleFormat::nvfp4, g, seed);
+  TempDir dir;
+  const fs::path one = dir / "one.safetensors";
+  write_st(one, stacked_tensors(kL0, w));
+  CliRun r = csf(dir, "moe --checkpoint '" + one.string() + "' --cpu --tokens 2 --iters 1");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const std::string want =
+      fmt::format("{} : {} E={} H={} N={} k=8 nvfp4", one.string(), kL0, g.experts, g.hidden, g.intermediate);
+  EXPECT_NE(r.out.find(want), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cpu-reference"), std::string::npos) << r.out;
+
+  // Compressed, two layers: --layer is needed, and the error lists them.
+  const std::string l1 = "model.layers.1.mlp.experts";
+  auto ts = stacked_tensors(kL0, w);
+  const auto more = stacked_tensors(l1, synthetic_moe_weights(ScaleFormat::mxfp4, g, seed + 1));
+  ts.insert(ts.end(), more.begin(), more.end());
+  write_st(dir / "two.safetensors", ts);
+  compress_checkpoint(dir / "two.safetensors", dir / "two.csf.safetensors", force_csf());
+  const std::string two = "'" + (dir / "two.csf.safetensors").string() + "'";
+  r = csf(dir, "moe --checkpoint " + two + " --cpu --tokens 2 --iters 1");
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find(kL0), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(l1), std::string::npos) << r.err;
+  r = csf(dir, "moe --checkpoint " + two + " --layer " + l1 + " --topk 2 --cpu --tokens 2 --iters 1");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find(fmt::format("{} E={} H={} N={} k=2 mxfp4", l1, g.experts, g.hidden, g.intermediate)),
+            std::string::npos)
+      << r.out;
+  r = csf(dir, "moe --checkpoint " + two + " --layer model.layers.5.mlp.experts --cpu --tokens 2");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("model.layers.5.mlp.experts"), std::string::npos) << r.err;
+  // A checkpoint fixes the geometry; --layer needs a checkpoint.
+  EXPECT_NE(csf(dir, "moe --checkpoint " + two + " --hidden 128 --cpu").code, 0);
+  EXPECT_NE(csf(dir, "moe --layer " + kL0 + " --cpu").code, 0);
+}
+
+}  // namespace
