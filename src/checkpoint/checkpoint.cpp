@@ -310,49 +310,6 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
   return result;
 }
 
-// Loads and validates the four parts of one CSF tensor.
-CsfTensor load_parts(const st::File& c, const CsfEntry& e, const std::string& label) {
-  const std::string what = fmt::format("{}: tensor '{}'", label, e.name);
-  CsfTensor t;
-  try {
-    t.geometry = CsfGeometry::of(e.grid);
-  } catch (const InvalidArgument& x) {
-    throw FormatError(fmt::format("{}: invalid grid in the descriptor: {}", what, x.what()));
-  }
-  const auto p = part_names(e.name);
-  auto get = [&](const std::string& n, st::Dtype d, std::uint64_t count) -> std::span<const std::uint8_t> {
-    const st::TensorInfo* ti = c.find(n);
-    if (!ti) throw FormatError(fmt::format("{}: CSF part '{}' is missing", what, n));
-    if (ti->dtype != d)
-      throw FormatError(fmt::format("{}: CSF part '{}' must be {}, got {}", what, n, st::to_string(d),
-                                    st::to_string(ti->dtype)));
-    if (ti->shape.size() != 1 || ti->shape[0] != count)
-      throw FormatError(fmt::format("{}: CSF part '{}' has shape [{}], expected [{}]", what, n,
-                                    fmt::join(ti->shape, ", "), count));
-    return c.data(*ti);
-  };
-  const auto& g = t.geometry;
-  auto fixed = get(p.fixed, st::Dtype::U8, g.fixed_bytes());
-  auto exc = get(p.exceptions, st::Dtype::U32, e.exceptions);
-  auto rp = get(p.row_prefix, st::Dtype::U32, g.total_rows() + 1);
-  auto pi =
-      get(p.partition_index, st::Dtype::U32, std::uint64_t{g.partitions_per_expert} * g.shape.experts + 1);
-  t.fixed.assign(fixed.begin(), fixed.end());
-  auto load32 = [](std::span<const std::uint8_t> b, std::vector<std::uint32_t>& v) {
-    v.resize(b.size() / 4);
-    if (!b.empty()) std::memcpy(v.data(), b.data(), b.size());
-  };
-  load32(exc, t.exceptions);
-  load32(rp, t.row_prefix);
-  load32(pi, t.partition_index);
-  try {
-    validate(t);
-  } catch (const FormatError& x) {
-    throw FormatError(fmt::format("{}: invalid CSF parts: {}", what, x.what()));
-  }
-  return t;
-}
-
 struct OpenContainer {
   st::File file;
   ContainerInfo info;
@@ -426,7 +383,7 @@ void restore_file(const st::File& c, const ContainerInfo& info, st::AtomicFile* 
     std::uint64_t stored = t->nbytes();
     std::uint32_t c32 = 0;
     if (const CsfEntry* e = info.find(t->name)) {
-      CsfTensor enc = load_parts(c, *e, label);
+      CsfTensor enc = load_csf_parts(c, *e, label);
       if (enc.source_bytes() != t->nbytes())
         throw FormatError(fmt::format("{}: tensor '{}': grid of {} bytes for a tensor of {}", label, t->name,
                                       enc.source_bytes(), t->nbytes()));
@@ -826,7 +783,7 @@ CheckpointReport inspect_checkpoint(const fs::path& in, const CompressOptions& o
         TensorReport tr = base_report(n, *t);
         std::uint64_t stored = t->nbytes();
         if (const CsfEntry* e = info->find(t->name)) {
-          CsfTensor enc = load_parts(file, *e, label);
+          CsfTensor enc = load_csf_parts(file, *e, label);
           tr.action = TensorAction::csf;
           tr.format = e->grid.format;
           tr.layer = e->layer;

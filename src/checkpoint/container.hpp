@@ -61,6 +61,11 @@ void put_container_metadata(const ContainerInfo& info, st::Metadata& md);
 std::optional<ContainerInfo> get_container_metadata(const std::optional<st::Metadata>& md,
                                                     const std::string& label);
 
+// Loads and validates the four parts of CSF tensor `e` from container file
+// `c` (untrusted: shapes, dtypes and the parts themselves are checked);
+// FormatError messages start with `label` and the tensor name.
+CsfTensor load_csf_parts(const st::File& c, const CsfEntry& e, const std::string& label);
+
 std::string base64_encode(std::string_view in);
 std::string base64_decode(std::string_view in, const std::string& what);  // FormatError on bad input
 

@@ -53,46 +53,6 @@ struct SourceFile {
   std::string label() const { return file.path().string(); }
 };
 
-// The four CSF parts of `e`, validated (the container's own tensors are untrusted).
-CsfTensor load_parts(const SourceFile& s, const CsfEntry& e) {
-  const std::string what = fmt::format("{}: tensor '{}'", s.label(), e.name);
-  CsfTensor t;
-  try {
-    t.geometry = CsfGeometry::of(e.grid);
-  } catch (const InvalidArgument& x) {
-    throw FormatError(fmt::format("{}: invalid grid in the descriptor: {}", what, x.what()));
-  }
-  const auto p = part_names(e.name);
-  auto get = [&](const std::string& n, st::Dtype d, std::uint64_t count) {
-    const st::TensorInfo* ti = s.file.find(n);
-    if (!ti) throw FormatError(fmt::format("{}: CSF part '{}' is missing", what, n));
-    if (ti->dtype != d || ti->shape.size() != 1 || ti->shape[0] != count)
-      throw FormatError(fmt::format("{}: CSF part '{}' is {} {}, expected {} [{}]", what, n,
-                                    st::to_string(ti->dtype), shape_str(ti->shape), st::to_string(d), count));
-    return s.file.data(*ti);
-  };
-  const auto& g = t.geometry;
-  const auto fixed = get(p.fixed, st::Dtype::U8, g.fixed_bytes());
-  const auto exc = get(p.exceptions, st::Dtype::U32, e.exceptions);
-  const auto rp = get(p.row_prefix, st::Dtype::U32, g.total_rows() + 1);
-  const auto pi =
-      get(p.partition_index, st::Dtype::U32, std::uint64_t{g.partitions_per_expert} * g.shape.experts + 1);
-  t.fixed.assign(fixed.begin(), fixed.end());
-  auto load32 = [](std::span<const std::uint8_t> b, std::vector<std::uint32_t>& v) {
-    v.resize(b.size() / 4);
-    if (!b.empty()) std::memcpy(v.data(), b.data(), b.size());
-  };
-  load32(exc, t.exceptions);
-  load32(rp, t.row_prefix);
-  load32(pi, t.partition_index);
-  try {
-    validate(t);
-  } catch (const FormatError& x) {
-    throw FormatError(fmt::format("{}: invalid CSF parts: {}", what, x.what()));
-  }
-  return t;
-}
-
 // All logical tensors of a checkpoint (a file or every *.safetensors of a folder).
 class Source {
  public:
@@ -149,7 +109,7 @@ class Source {
     Bytes buf;
     std::uint32_t want = 0;
     if (const CsfEntry* e = f.info->find(name)) {
-      const CsfTensor enc = load_parts(f, *e);
+      const CsfTensor enc = load_csf_parts(f.file, *e, f.label());
       if (enc.source_bytes() != t.nbytes())
         throw FormatError(fmt::format("{}: tensor '{}': CSF grid of {} bytes for a tensor of {}", f.label(),
                                       name, enc.source_bytes(), t.nbytes()));
