@@ -773,6 +773,47 @@ TEST_F(CliTest, SynthWritesRealGeometryGroupedByLayer) {
   EXPECT_LT(rep["totals"]["scale_ratio"].get<double>(), 0.5);
 }
 
+TEST_F(CliTest, InspectDeviceReportsResidentBytesPerLayerAndModel) {
+  CSFMOE_SEEDED(seed);
+  const auto out = dir_ / "synth.safetensors";
+  const auto r = csf({"synth", out.string(), "--model", "qwen3-30b-a3b", "--format", "nvfp4", "--experts",
+                      "2", "--layers", "2", "--seed", std::to_string(seed)});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto res = csf({"inspect", out.string(), "--json", "--device"});
+  ASSERT_EQ(res.code, 0) << res.err;
+  const auto j = parse_json(res.out);
+  ASSERT_TRUE(j.contains("device")) << res.out;
+  const auto& d = j["device"];
+  // Per layer: native = the layer's scale source bytes, csf = as stored.
+  ASSERT_EQ(d["layers"].size(), j["layers"].size());
+  std::uint64_t native = 0, csf_bytes = 0, largest = 0;
+  for (std::size_t i = 0; i < d["layers"].size(); ++i) {
+    const auto& dl = d["layers"][i];
+    const auto& l = j["layers"][i];
+    EXPECT_EQ(dl["layer"], l["layer"]);
+    EXPECT_EQ(dl["native_bytes"], l["source_bytes"]);
+    EXPECT_EQ(dl["csf_bytes"], l["stored_bytes"]);
+    EXPECT_LT(dl["csf_bytes"].get<std::uint64_t>(), dl["native_bytes"].get<std::uint64_t>());
+    EXPECT_EQ(dl["saved_bytes"].get<std::uint64_t>(),
+              dl["native_bytes"].get<std::uint64_t>() - dl["csf_bytes"].get<std::uint64_t>());
+    native += dl["native_bytes"].get<std::uint64_t>();
+    csf_bytes += dl["csf_bytes"].get<std::uint64_t>();
+    largest = std::max(largest, dl["native_bytes"].get<std::uint64_t>());
+  }
+  EXPECT_EQ(d["scales"]["native_bytes"].get<std::uint64_t>(), native);
+  EXPECT_EQ(d["scales"]["csf_bytes"].get<std::uint64_t>(), csf_bytes);
+  EXPECT_EQ(d["expand_scratch_bytes"].get<std::uint64_t>(), largest);
+  // The model total counts every tensor; only the scales shrink.
+  EXPECT_EQ(d["model"]["native_bytes"], j["totals"]["file_source_bytes"]);
+  EXPECT_EQ(d["model"]["saved_bytes"], d["scales"]["saved_bytes"]);
+  // The table form names the layers and the scratch.
+  const auto table = csf({"inspect", out.string(), "--device"});
+  ASSERT_EQ(table.code, 0) << table.err;
+  EXPECT_NE(table.out.find("resident device memory"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("model.layers.1.mlp.experts"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("expand scratch"), std::string::npos) << table.out;
+}
+
 TEST_F(CliTest, DemoPasses) {
   const auto r = csf({"demo", "--data", std::string(CSFMOE_SOURCE_DIR) + "/data"});
   ASSERT_EQ(r.code, 0) << r.out << r.err;

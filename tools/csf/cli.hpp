@@ -24,6 +24,7 @@ struct UsageError : std::runtime_error {
 struct InspectArgs {
   std::filesystem::path path;
   bool json = false;
+  bool device = false;  // inspect only: resident device memory per layer and model
   std::string layout = "row_major";
   unsigned threads = 0;
 };
@@ -84,6 +85,11 @@ CheckpointReport merge_reports(const std::vector<CheckpointReport>& reports,
                                const std::filesystem::path& path);
 void print_report_table(std::FILE* out, const CheckpointReport& report);
 nlohmann::json report_to_json(const CheckpointReport& report);
+// Resident device memory of the checkpoint's tensors with native scales and
+// with CSF scales, per MoE layer and for the model, plus the expand scratch
+// (one shared by all layers: the largest layer's native scales).
+void print_device_report(std::FILE* out, const CheckpointReport& report);
+nlohmann::json device_report_json(const CheckpointReport& report);
 // One line per tensor kept native, with the reason.
 void print_kept_native(std::FILE* out, const CheckpointReport& report);
 

@@ -26,9 +26,12 @@ int run_inspect(const InspectArgs& a) {
   o.layout = layout_arg(a.layout);
   const auto report = inspect_checkpoint(a.path, o);
   if (a.json) {
-    fmt::print("{}\n", report_to_json(report).dump(2));
+    auto j = report_to_json(report);
+    if (a.device) j["device"] = device_report_json(report);
+    fmt::print("{}\n", j.dump(2));
   } else {
     print_report_table(stdout, report);
+    if (a.device) print_device_report(stdout, report);
   }
   return 0;
 }

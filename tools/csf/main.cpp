@@ -38,6 +38,8 @@ int main(int argc, char** argv) {
       app.add_subcommand("inspect", "Per-tensor statistics of a native or compressed checkpoint");
   c_inspect->add_option("path", inspect.path, "safetensors file or checkpoint folder")->required();
   c_inspect->add_flag("--json", inspect.json, "machine-readable JSON on stdout");
+  c_inspect->add_flag("--device", inspect.device,
+                      "resident device memory per layer and model, native vs CSF scales");
   c_inspect->add_option("--layout", inspect.layout, "layout of the source scale tensors")->check(layouts);
   c_inspect->add_option("--threads", inspect.threads, "worker threads (0: all cores)");
 

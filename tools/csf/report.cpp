@@ -6,6 +6,7 @@
 #include <set>
 
 #include "cli.hpp"
+#include "csfmoe/memory.hpp"
 
 namespace csfmoe::cli {
 
@@ -269,6 +270,63 @@ nlohmann::json report_to_json(const CheckpointReport& r) {
   totals["native_kept_tensors"] = counts[static_cast<int>(TensorAction::native_kept)];
   totals["passthrough_tensors"] = counts[static_cast<int>(TensorAction::passthrough)];
   return {{"path", r.path.string()}, {"tensors", tensors}, {"layers", layers}, {"totals", totals}};
+}
+
+namespace {
+
+struct DeviceTotals {
+  std::vector<std::pair<std::string, ResidentBytes>> layers;  // block scales per MoE layer
+  ResidentBytes scales, model;                                // all scales; all tensors
+  std::uint64_t scratch = 0;                                  // largest layer's native scales
+};
+
+DeviceTotals device_totals(const CheckpointReport& r) {
+  DeviceTotals d;
+  for (const auto& key : layer_order(r)) {
+    ResidentBytes layer;
+    for (const auto& t : r.tensors)
+      if (is_scale(t) && t.layer == key) layer += ResidentBytes{source_bytes(t), stored_bytes(t)};
+    d.layers.emplace_back(key.empty() ? std::string("(outside MoE layers)") : key, layer);
+    d.scales += layer;
+    if (!key.empty()) d.scratch = std::max(d.scratch, layer.native);
+  }
+  for (const auto& t : r.tensors) d.model += ResidentBytes{source_bytes(t), stored_bytes(t)};
+  return d;
+}
+
+nlohmann::json resident_json(const ResidentBytes& b) {
+  return {{"native_bytes", b.native}, {"csf_bytes", b.csf}, {"saved_bytes", b.saved()}, {"ratio", b.ratio()}};
+}
+
+}  // namespace
+
+void print_device_report(std::FILE* out, const CheckpointReport& r) {
+  const DeviceTotals d = device_totals(r);
+  fmt::print(out, "\nresident device memory (block scales native -> CSF)\n");
+  fmt::print(out, "{:<48} {:>12} {:>12} {:>12} {:>8}\n", "layer", "native", "csf", "saved", "ratio");
+  auto row = [&](const std::string& name, const ResidentBytes& b) {
+    fmt::print(out, "{:<48} {:>12} {:>12} {:>12} {:>8}\n", elide(name, 48), human_bytes(b.native),
+               human_bytes(b.csf), human_bytes(b.saved()), percent(b.ratio()));
+  };
+  for (const auto& [name, b] : d.layers) row(name, b);
+  row("all block scales", d.scales);
+  row("model (all tensors)", d.model);
+  fmt::print(out, "expand scratch shared by all layers (largest layer's native scales): {}\n",
+             human_bytes(d.scratch));
+}
+
+nlohmann::json device_report_json(const CheckpointReport& r) {
+  const DeviceTotals d = device_totals(r);
+  nlohmann::json layers = nlohmann::json::array();
+  for (const auto& [name, b] : d.layers) {
+    auto j = resident_json(b);
+    j["layer"] = name;
+    layers.push_back(std::move(j));
+  }
+  return {{"layers", layers},
+          {"scales", resident_json(d.scales)},
+          {"model", resident_json(d.model)},
+          {"expand_scratch_bytes", d.scratch}};
 }
 
 }  // namespace csfmoe::cli
