@@ -26,7 +26,7 @@ const std::uint8_t* dptr(const Array& a, const char* what, std::uint64_t bytes, 
 struct CudaLayer {
   MoePlan plan;
   MoeWeights weights;
-  std::optional<MoeScaleScratch> scratch;
+  std::optional<ScaleScratch> scratch;
   std::map<std::uintptr_t, BoundMoe> bound;
   int device = 0;
   bool scales_expanded = false;
@@ -67,14 +67,13 @@ struct CudaLayer {
           dptr(nb::cast<Array>(w2_global), "w2_global", 4ull * g.experts, device, 4));
     if (!scratch_w13.is_none()) {
       const auto need = moe_scale_scratch_bytes(plan);
-      MoeScaleScratch s;
-      s.device = device;
+      ScaleScratch s;
       s.w13 = const_cast<std::uint8_t*>(
-          dptr(nb::cast<Array>(scratch_w13), "scratch_w13", need.w13_bytes, device));
+          dptr(nb::cast<Array>(scratch_w13), "scratch_w13", need.w13, device));
       s.w2 =
-          const_cast<std::uint8_t*>(dptr(nb::cast<Array>(scratch_w2), "scratch_w2", need.w2_bytes, device));
-      s.w13_bytes = need.w13_bytes;
-      s.w2_bytes = need.w2_bytes;
+          const_cast<std::uint8_t*>(dptr(nb::cast<Array>(scratch_w2), "scratch_w2", need.w2, device));
+      s.w13_bytes = need.w13;
+      s.w2_bytes = need.w2;
       scratch = s;
     }
     scales_expanded = expanded;
@@ -154,7 +153,7 @@ void bind_moe_cuda(nb::module_& m) {
       .def("resident_scale_bytes", [](const CudaLayer& l) { return l.weights.resident_scale_bytes(); })
       .def("scratch_bytes", [](const CudaLayer& l) {
         const auto s = moe_scale_scratch_bytes(l.plan);
-        return nb::make_tuple(s.w13_bytes, s.w2_bytes);
+        return nb::make_tuple(s.w13, s.w2);
       });
 }
 
