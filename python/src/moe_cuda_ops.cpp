@@ -1,6 +1,7 @@
 // GPU MoE bindings: a prepared layer (plan -> prepare_weights) that binds
 // lazily once per stream, with its workspace a caller (torch) allocation.
 // Tensors are referenced, never copied; the Python object keeps them alive.
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include <map>
@@ -35,8 +36,9 @@ struct CudaLayer {
   CudaLayer(const std::string& format, std::int64_t e, std::int64_t h, std::int64_t n, std::int64_t k,
             const std::string& order, const std::string& compression, std::int64_t max_tokens,
             std::int64_t stage_read_max_tokens, const std::string& scale_layout, Array w13, Array w13_scale,
-            nb::object w13_global, Array w2, Array w2_scale, nb::object w2_global, nb::object scratch_w13,
-            nb::object scratch_w2, bool expanded, const std::string& force_mode, std::uintptr_t stream) {
+            std::optional<Array> w13_global, Array w2, Array w2_scale, std::optional<Array> w2_global,
+            std::optional<Array> scratch_w13, std::optional<Array> scratch_w2, bool expanded,
+            const std::string& force_mode, std::uintptr_t stream) {
     MoeLayerGeometry g;
     g.experts = static_cast<std::uint32_t>(e);
     g.hidden = static_cast<std::uint32_t>(h);
@@ -59,19 +61,19 @@ struct CudaLayer {
     dw.w2 = dptr(w2, "w2", plan.w2_bytes, device);
     dw.w13_scales = dptr(w13_scale, "w13_scale", plan.w13_scale_bytes, device);
     dw.w2_scales = dptr(w2_scale, "w2_scale", plan.w2_scale_bytes, device);
-    if (!w13_global.is_none())
-      dw.w13_global = reinterpret_cast<const float*>(
-          dptr(nb::cast<Array>(w13_global), "w13_global", 4ull * g.experts, device, 4));
-    if (!w2_global.is_none())
-      dw.w2_global = reinterpret_cast<const float*>(
-          dptr(nb::cast<Array>(w2_global), "w2_global", 4ull * g.experts, device, 4));
-    if (!scratch_w13.is_none()) {
+    if (w13_global)
+      dw.w13_global =
+          reinterpret_cast<const float*>(dptr(*w13_global, "w13_global", 4ull * g.experts, device, 4));
+    if (w2_global)
+      dw.w2_global =
+          reinterpret_cast<const float*>(dptr(*w2_global, "w2_global", 4ull * g.experts, device, 4));
+    if (scratch_w13.has_value() != scratch_w2.has_value())
+      throw InvalidArgument("scratch_w13 and scratch_w2 must be given together");
+    if (scratch_w13) {
       const auto need = moe_scale_scratch_bytes(plan);
       ScaleScratch s;
-      s.w13 = const_cast<std::uint8_t*>(
-          dptr(nb::cast<Array>(scratch_w13), "scratch_w13", need.w13, device));
-      s.w2 =
-          const_cast<std::uint8_t*>(dptr(nb::cast<Array>(scratch_w2), "scratch_w2", need.w2, device));
+      s.w13 = const_cast<std::uint8_t*>(dptr(*scratch_w13, "scratch_w13", need.w13, device));
+      s.w2 = const_cast<std::uint8_t*>(dptr(*scratch_w2, "scratch_w2", need.w2, device));
       s.w13_bytes = need.w13;
       s.w2_bytes = need.w2;
       scratch = s;
@@ -142,8 +144,8 @@ void bind_moe_cuda(nb::module_& m) {
   nb::class_<CudaLayer>(m, "CudaMoeLayer")
       .def(nb::init<const std::string&, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
                     const std::string&, const std::string&, std::int64_t, std::int64_t, const std::string&,
-                    Array, Array, nb::object, Array, Array, nb::object, nb::object, nb::object, bool,
-                    const std::string&, std::uintptr_t>())
+                    Array, Array, std::optional<Array>, Array, Array, std::optional<Array>,
+                    std::optional<Array>, std::optional<Array>, bool, const std::string&, std::uintptr_t>())
       .def("workspace_bytes", &CudaLayer::workspace_bytes)
       .def("is_bound", &CudaLayer::is_bound)
       .def("bind_stream", &CudaLayer::bind_stream)
