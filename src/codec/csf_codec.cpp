@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <bitset>
 #include <cstdint>
 #include <cstring>
@@ -17,6 +18,9 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#endif
+#if defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 #include "common/parallel.hpp"
@@ -282,51 +286,204 @@ struct RowResult {
 // Base of one row with the same rule as reference_base. Bins outside
 // [min - W + 1, max + W - 1] are zero, so the sliding window only visits
 // candidate bases in that range. `hist` (4 x 256 counters) is left zeroed.
-template <unsigned W>
-RowResult fast_base(const u8* row, u32 n, u32* hist) {
+// Smallest and largest byte of a row, 16 bytes at a time.
+inline void row_min_max(const u8* row, u32 n, u8& mn_out, u8& mx_out) {
   u8 mn = 255, mx = 0;
-  for (u32 i = 0; i < n; ++i) {
+  std::size_t i = 0;
+  if (n >= 16) {
+    u8x16 vmn = load16(row), vmx = vmn;
+    for (i = 16; i + 16 <= n; i += 16) {
+      const u8x16 v = load16(row + i);
+      vmn = v < vmn ? v : vmn;
+      vmx = v > vmx ? v : vmx;
+    }
+    // Fold the lanes with 32- and 16-bit shuffles (single SSE2 instructions).
+    auto fold = [](u8x16& lo, u8x16& hi, auto shuffle) {
+      const u8x16 a = shuffle(lo), b = shuffle(hi);
+      lo = a < lo ? a : lo;
+      hi = b > hi ? b : hi;
+    };
+    fold(vmn, vmx, [](u8x16 v) {
+      const u32x4 x = reinterpret_cast<u32x4>(v);
+      return reinterpret_cast<u8x16>(__builtin_shufflevector(x, x, 2, 3, 0, 1));
+    });
+    fold(vmn, vmx, [](u8x16 v) {
+      const u32x4 x = reinterpret_cast<u32x4>(v);
+      return reinterpret_cast<u8x16>(__builtin_shufflevector(x, x, 1, 0, 3, 2));
+    });
+    fold(vmn, vmx, [](u8x16 v) {
+      const u16x8 x = reinterpret_cast<u16x8>(v);
+      return reinterpret_cast<u8x16>(__builtin_shufflevector(x, x, 1, 0, 3, 2, 4, 5, 6, 7));
+    });
+    mn = std::min(vmn[0], vmn[1]);
+    mx = std::max(vmx[0], vmx[1]);
+  }
+  for (; i < n; ++i) {
     mn = std::min(mn, row[i]);
     mx = std::max(mx, row[i]);
   }
+  mn_out = mn;
+  mx_out = mx;
+}
+
+// Sum of the 16 byte lanes (each at most 255).
+inline u32 lane_sum(u8x16 v) {
+  u64 q[2];
+  std::memcpy(q, &v, 16);
+  constexpr u64 even = 0x00FF00FF00FF00FFull, ones16 = 0x0001000100010001ull;
+  const u64 s = (q[0] & even) + ((q[0] >> 8) & even) + (q[1] & even) + ((q[1] >> 8) & even);  // 4 x u16
+  return static_cast<u32>((s * ones16) >> 48);
+}
+
+// MXFP4 rows span only a few distinct bytes: with at most 8 distinct values
+// in [mn, mx] the bin counts come from vector compares (no histogram), then
+// the same lowest-best rule as reference_base over the few candidates.
+// Returns false (nothing done) when the row does not fit that case.
+// Counts of bins mn .. mn + S - 1 of a row whose bytes all lie in [mn, mn + S].
+template <unsigned S>
+inline void narrow_counts(const u8* row, u32 n, u8 mn, u32* cnt) {
+  const u8x16 mv = splat16(mn);
+  u8x16 acc[S] = {};
+  std::size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const u8x16 d = load16(row + i) - mv;
+    for (unsigned k = 0; k < S; ++k) acc[k] -= reinterpret_cast<u8x16>(d == static_cast<u8>(k));
+  }
+  for (unsigned k = 0; k < S; ++k) cnt[k] = lane_sum(acc[k]);
+  for (; i < n; ++i) {
+    const unsigned d = unsigned(row[i] - mn);
+    if (d < S) ++cnt[d];
+  }
+}
+
+// MXFP4 rows span only a few distinct bytes: with at most 8 distinct values
+// in [mn, mx] the bin counts come from vector compares (no histogram), then
+// the same lowest-best rule as reference_base over the few candidates.
+// Returns false (nothing done) when the row does not fit that case.
+inline bool mx_base_narrow(const u8* row, u32 n, u8 mn, u8 mx, RowResult& res) {
+  const unsigned span = unsigned(mx - mn);     // 2..7 here; bins 0..span-1 counted, the last by difference
+  if (span > 7 || n > 16 * 255) return false;  // byte lanes count at most 255 vectors
+  u32 cnt[8] = {};
+  switch (span) {
+    case 2:
+      narrow_counts<2>(row, n, mn, cnt);
+      break;
+    case 3:
+      narrow_counts<3>(row, n, mn, cnt);
+      break;
+    case 4:
+      narrow_counts<4>(row, n, mn, cnt);
+      break;
+    case 5:
+      narrow_counts<5>(row, n, mn, cnt);
+      break;
+    case 6:
+      narrow_counts<6>(row, n, mn, cnt);
+      break;
+    default:
+      narrow_counts<7>(row, n, mn, cnt);
+      break;
+  }
+  u32 seen = 0;
+  for (unsigned k = 0; k < span; ++k) seen += cnt[k];
+  cnt[span] = n - seen;
+  // Candidates b in [mn - 1, min(mx, 254)]: count(b) = h[b] + h[b + 1], with
+  // ext[t] = h[mn - 1 + t] (zero outside [mn, mx]).
+  u32 ext[10] = {};
+  for (unsigned k = 0; k <= span; ++k) ext[k + 1] = cnt[k];
+  const unsigned t0 = mn >= 1 ? 0u : 1u;
+  const unsigned t1 = std::min(254u, unsigned(mx)) + 1 - mn;
+  u32 best_count = ext[t0] + ext[t0 + 1];
+  unsigned best = t0;
+  for (unsigned t = t0 + 1; t <= t1; ++t) {
+    const u32 c = ext[t] + ext[t + 1];
+    best = c > best_count ? t : best;  // strictly: the lowest base wins ties
+    best_count = c > best_count ? c : best_count;
+  }
+  best = best + mn - 1;
+  res = {static_cast<u8>(best), best_count};
+  return true;
+}
+
+// Lowest best base from a full histogram h0 of a row (zero outside
+// [mn, mx]), as reference_base; clears h0 again.
+template <unsigned W>
+RowResult search_window(u32* h0, u8 mn, u8 mx) {
+  const std::size_t m0 = mn & ~3u, m1 = std::size_t{mx} + 1;
+  const unsigned lo = mn >= W - 1 ? mn - (W - 1) : 0;
+  const unsigned hi = std::min(256u - W, unsigned(mx));
+  const u32* hp = h0 + lo;
+  u32 count = 0;
+  for (unsigned v = 0; v < W; ++v) count += hp[v];
+  u32 best_count = count;
+  std::size_t best = 0;
+  for (std::size_t k = 1, last = hi - lo; k <= last; ++k) {
+    count += hp[k + W - 1] - hp[k - 1];
+    const bool better = count > best_count;  // strictly: the lowest base wins ties
+    best_count = better ? count : best_count;
+    best = better ? k : best;
+  }
+  for (std::size_t v = m0; v < m1; v += 4) {
+    const u32x4 zero{};
+    std::memcpy(h0 + v, &zero, 16);
+  }
+  best += lo;
+  return {static_cast<u8>(best), best_count};
+}
+
+template <unsigned W>
+RowResult fast_base(const u8* row, u32 n, u32* hist) {
+  u8 mn, mx;
+  row_min_max(row, n, mn, mx);
   if (unsigned(mx - mn) < W)
     return {static_cast<u8>(mx >= W - 1 ? mx - (W - 1) : 0), n};  // all in one window
+  if constexpr (W == 2) {
+    RowResult res;
+    if (mx_base_narrow(row, n, mn, mx, res)) return res;
+  }
   // Four interleaved histograms: runs of equal bytes (the common case) would
   // otherwise serialize on store-to-load forwarding of one counter.
   u32* h0 = hist;
   u32* h1 = hist + 256;
   u32* h2 = hist + 512;
   u32* h3 = hist + 768;
-  u32 i = 0;
-  for (; i + 8 <= n; i += 8) {
-    ++h0[row[i]];
-    ++h1[row[i + 1]];
-    ++h2[row[i + 2]];
-    ++h3[row[i + 3]];
-    ++h0[row[i + 4]];
-    ++h1[row[i + 5]];
-    ++h2[row[i + 6]];
-    ++h3[row[i + 7]];
+  // Pointer walk: a 32-bit index would cost an address computation per byte.
+  const u8* p = row;
+  for (const u8* end = row + (n & ~15u); p != end; p += 16) {
+    ++h0[p[0]];
+    ++h1[p[1]];
+    ++h2[p[2]];
+    ++h3[p[3]];
+    ++h0[p[4]];
+    ++h1[p[5]];
+    ++h2[p[6]];
+    ++h3[p[7]];
+    ++h0[p[8]];
+    ++h1[p[9]];
+    ++h2[p[10]];
+    ++h3[p[11]];
+    ++h0[p[12]];
+    ++h1[p[13]];
+    ++h2[p[14]];
+    ++h3[p[15]];
   }
-  for (; i < n; ++i) ++h0[row[i]];
-  for (unsigned v = mn; v <= mx; ++v) {
-    h0[v] += h1[v] + h2[v] + h3[v];
-    h1[v] = h2[v] = h3[v] = 0;
+  for (const u8* end = row + n; p != end; ++p) ++h0[*p];
+  // Merge (and clear) 4 bins at a time; bins outside [mn, mx] are zero everywhere.
+  const std::size_t m0 = mn & ~3u, m1 = std::size_t{mx} + 1;
+  for (std::size_t v = m0; v < m1; v += 4) {
+    u32x4 a, b, c, d;
+    std::memcpy(&a, h0 + v, 16);
+    std::memcpy(&b, h1 + v, 16);
+    std::memcpy(&c, h2 + v, 16);
+    std::memcpy(&d, h3 + v, 16);
+    a += b + c + d;
+    const u32x4 zero{};
+    std::memcpy(h0 + v, &a, 16);
+    std::memcpy(h1 + v, &zero, 16);
+    std::memcpy(h2 + v, &zero, 16);
+    std::memcpy(h3 + v, &zero, 16);
   }
-  const unsigned lo = mn >= W - 1 ? mn - (W - 1) : 0;
-  const unsigned hi = std::min(256u - W, unsigned(mx));
-  u32 count = 0;
-  for (unsigned v = lo; v < lo + W; ++v) count += h0[v];
-  u32 best_count = count;
-  unsigned best = lo;
-  for (unsigned b = lo + 1; b <= hi; ++b) {
-    count += h0[b + W - 1] - h0[b - 1];
-    const bool better = count > best_count;  // strictly: the lowest base wins ties
-    best_count = better ? count : best_count;
-    best = better ? b : best;
-  }
-  for (unsigned v = mn; v <= mx; ++v) h0[v] = 0;
-  return {static_cast<u8>(best), best_count};
+  return search_window<W>(h0, mn, mx);
 }
 
 // Offsets of one NVFP4 row into its slab; exceptions written at `out` in
@@ -335,14 +492,14 @@ u32* nv_fill_row(const u8* row, u32 C, u8 base, u8* slab, u32 r, u32 padded_cols
   u8* nib = slab + 128 + std::size_t{r % 32} * 8 + ((r % 128) / 32) * 2;  // group g at nib + g * 256
   const u8x16 bv = splat16(base);
   const u32 pos0 = r * padded_cols;
-  u32 c = 0;
+  std::size_t c = 0;
   for (; c + 16 <= C; c += 16) {
     u8x16 d = load16(row + c) - bv;
     const auto bad = reinterpret_cast<u8x16>(d > 15);
     if (any_set(bad)) [[unlikely]] {
       for (unsigned m = lane_bits(bad); m != 0; m &= m - 1) {
         const unsigned j = unsigned(__builtin_ctz(m));
-        *out++ = make_exception(pos0 + c + j, row[c + j]);
+        *out++ = make_exception(static_cast<u32>(pos0 + c + j), row[c + j]);
       }
       d &= ~bad;
     }
@@ -365,10 +522,93 @@ u32* nv_fill_row(const u8* row, u32 C, u8 base, u8* slab, u32 r, u32 padded_cols
       u8& q = nib[std::size_t{c / 4} * 256 + (c % 4) / 2];
       q = static_cast<u8>(q | (d << ((c & 1) * 4)));
     } else {
-      *out++ = make_exception(pos0 + c, v);
+      *out++ = make_exception(static_cast<u32>(pos0 + c), v);
     }
   }
   return out;
+}
+
+[[noreturn]] void internal_count_mismatch(u32 e, u32 r0) {
+  throw std::logic_error(
+      fmt::format("CSF encode: internal error, exception count mismatch in expert {} rows {}+", e, r0));
+}
+
+// The low byte of every 16-bit lane of a, then of b.
+inline u8x16 pack_low_bytes(u16x8 a, u16x8 b) {
+#if defined(__SSE2__)
+  const __m128i m = _mm_set1_epi16(0xFF);
+  return reinterpret_cast<u8x16>(_mm_packus_epi16(_mm_and_si128(reinterpret_cast<__m128i>(a), m),
+                                                  _mm_and_si128(reinterpret_cast<__m128i>(b), m)));
+#else
+  static_assert(std::endian::native == std::endian::little);
+  return __builtin_shufflevector(reinterpret_cast<u8x16>(a), reinterpret_cast<u8x16>(b), 0, 2, 4, 6, 8, 10,
+                                 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+#endif
+}
+
+// Offsets of the 4 rows k, k + 32, k + 64, k + 96 of a full NVFP4 slab (row
+// q of the quad at rows[q]): their nibbles of one 4-column group are 8
+// adjacent bytes, so 16 columns of the 4 rows are packed, transposed as
+// 16-bit pairs and written with four 8-byte stores. Records go to
+// recs[cursor[q]++] (cursor[q] < row_end[q] is checked).
+void nv_fill_quad(const u8* const rows[4], u32 C, const u8 bases[4], u8* slab, u32 k, u32 r0, u32 padded_cols,
+                  u32* recs, u32* cursor, const u32* row_end) {
+  u8* nib = slab + 128 + std::size_t{k} * 8;  // group g at nib + g * 256, row q at + 2q
+  u8x16 bv[4];
+  for (u32 q = 0; q < 4; ++q) bv[q] = splat16(bases[q]);
+  std::size_t c = 0;
+  for (; c + 16 <= C; c += 16) {
+    u8x16 d[4];
+    for (u32 q = 0; q < 4; ++q) d[q] = load16(rows[q] + c) - bv[q];
+    const u8x16 any = d[0] | d[1] | d[2] | d[3];
+    u64 h[2];
+    std::memcpy(h, &any, 16);
+    if (((h[0] | h[1]) & 0xF0F0F0F0F0F0F0F0ull) != 0) [[unlikely]] {
+      for (u32 q = 0; q < 4; ++q) {
+        const auto bad = reinterpret_cast<u8x16>(d[q] > 15);
+        const u32 rr = q * 32 + k;
+        for (unsigned m = lane_bits(bad); m != 0; m &= m - 1) {
+          const unsigned j = unsigned(__builtin_ctz(m));
+          if (cursor[rr] >= row_end[rr]) internal_count_mismatch(0, r0);
+          recs[cursor[rr]++] =
+              make_exception(static_cast<u32>((r0 + rr) * padded_cols + c + j), rows[q][c + j]);
+        }
+        d[q] &= ~bad;
+      }
+    }
+    u16x8 w[4];
+    for (u32 q = 0; q < 4; ++q) {
+      const u16x8 x = reinterpret_cast<u16x8>(d[q]);
+      w[q] = x | (x >> 4);  // low byte: even column | odd column << 4
+    }
+    // Row a's 8 packed bytes, then row b's.
+    const u8x16 x8 = pack_low_bytes(w[0], w[1]), y8 = pack_low_bytes(w[2], w[3]);
+    const u16x8 x = reinterpret_cast<u16x8>(x8), y = reinterpret_cast<u16x8>(y8);
+    // x = (a0 a1 a2 a3 b0 b1 b2 b3), y = (c0 .. d3) in 16-bit pairs (one per group).
+    const u16x8 lo = __builtin_shufflevector(x, y, 0, 8, 1, 9, 2, 10, 3, 11);
+    const u16x8 hi = __builtin_shufflevector(x, y, 4, 12, 5, 13, 6, 14, 7, 15);
+    const u16x8 g01 = __builtin_shufflevector(lo, hi, 0, 8, 1, 9, 2, 10, 3, 11);
+    const u16x8 g23 = __builtin_shufflevector(lo, hi, 4, 12, 5, 13, 6, 14, 7, 15);
+    u8* dst = nib + (c / 4) * 256;
+    std::memcpy(dst, &g01, 8);
+    std::memcpy(dst + 256, reinterpret_cast<const u8*>(&g01) + 8, 8);
+    std::memcpy(dst + 512, &g23, 8);
+    std::memcpy(dst + 768, reinterpret_cast<const u8*>(&g23) + 8, 8);
+  }
+  for (u32 q = 0; q < 4; ++q) {
+    const u32 rr = q * 32 + k;
+    for (std::size_t cc = c; cc < C; ++cc) {
+      const u8 v = rows[q][cc];
+      const unsigned d = u8(v - bases[q]);
+      if (d < 16) {
+        u8& b = nib[(cc / 4) * 256 + q * 2 + (cc % 4) / 2];
+        b = static_cast<u8>(b | (d << ((cc & 1) * 4)));
+      } else {
+        if (cursor[rr] >= row_end[rr]) internal_count_mismatch(0, r0);
+        recs[cursor[rr]++] = make_exception(static_cast<u32>((r0 + rr) * padded_cols + cc), v);
+      }
+    }
+  }
 }
 
 // Offset bits of one MXFP4 row into its slab.
@@ -376,14 +616,14 @@ u32* mx_fill_row(const u8* row, u32 C, u8 base, u8* slab, u32 r, u32 padded_cols
   u8* mask = slab + 16 + std::size_t{r % 16} * mx_mask_bytes(padded_cols);
   const u8x16 bv = splat16(base);
   const u32 pos0 = r * padded_cols;
-  u32 c = 0;
+  std::size_t c = 0;
   for (; c + 16 <= C; c += 16) {
     u8x16 d = load16(row + c) - bv;
     const auto bad = reinterpret_cast<u8x16>(d > 1);
     if (any_set(bad)) [[unlikely]] {
       for (unsigned m = lane_bits(bad); m != 0; m &= m - 1) {
         const unsigned j = unsigned(__builtin_ctz(m));
-        *out++ = make_exception(pos0 + c + j, row[c + j]);
+        *out++ = make_exception(static_cast<u32>(pos0 + c + j), row[c + j]);
       }
       d &= ~bad;
     }
@@ -399,40 +639,38 @@ u32* mx_fill_row(const u8* row, u32 C, u8 base, u8* slab, u32 r, u32 padded_cols
     if (d < 2) {
       mask[c / 8] = static_cast<u8>(mask[c / 8] | (d << (c % 8)));
     } else {
-      *out++ = make_exception(pos0 + c, v);
+      *out++ = make_exception(static_cast<u32>(pos0 + c), v);
     }
   }
   return out;
 }
 
-// Rows [r0, r0 + n) of one swizzled expert into row-major scratch (cols
-// wide); n is 128 or 64 and r0 a multiple of n. A 16-byte chunk of a tile
-// holds 4 bytes of each of 4 rows 32 apart.
-void unswizzle_rows(const u8* expert, u32 r0, u32 n, u32 cols, u8* out) {
+// The 128-row band at r0 (a multiple of 128) of one swizzled expert into
+// row-major scratch (rows `stride` apart). A 16-byte chunk of a tile holds 4
+// bytes of each of 4 rows 32 apart.
+void unswizzle_band(const u8* expert, u32 r0, u32 cols, std::size_t stride, u8* out) {
   const std::size_t groups = cols / 4;
   const u8* tiles = expert + std::size_t{r0 / 128} * groups * 512;
-  const u32 q0 = (r0 % 128) / 32, nq = n / 32;
   std::size_t gi = 0;
   for (; gi + 4 <= groups; gi += 4) {
     const u8* tile = tiles + gi * 512;
-    for (u32 k = 0; k < 32; ++k) {
-      u32x4 v[4] = {load_u32x4(tile + k * 16), load_u32x4(tile + 512 + k * 16),
-                    load_u32x4(tile + 1024 + k * 16), load_u32x4(tile + 1536 + k * 16)};
-      transpose4(v[0], v[1], v[2], v[3]);  // v[q]: row k + 32q, columns 4gi .. 4gi + 15
-      for (u32 q = 0; q < nq; ++q) std::memcpy(out + std::size_t{q * 32 + k} * cols + gi * 4, &v[q0 + q], 16);
+    u8* o = out + gi * 4;
+    for (std::size_t k = 0; k < 32; ++k) {
+      u32x4 a = load_u32x4(tile + k * 16), b = load_u32x4(tile + 512 + k * 16),
+            c = load_u32x4(tile + 1024 + k * 16), d = load_u32x4(tile + 1536 + k * 16);
+      transpose4(a, b, c, d);  // a: row k, b: row k + 32, ...; columns 4gi .. 4gi + 15
+      std::memcpy(o + k * stride, &a, 16);
+      std::memcpy(o + (k + 32) * stride, &b, 16);
+      std::memcpy(o + (k + 64) * stride, &c, 16);
+      std::memcpy(o + (k + 96) * stride, &d, 16);
     }
   }
   for (; gi < groups; ++gi) {
     const u8* tile = tiles + gi * 512;
     for (u32 k = 0; k < 32; ++k)
-      for (u32 q = 0; q < nq; ++q)
-        std::memcpy(out + std::size_t{q * 32 + k} * cols + gi * 4, tile + k * 16 + (q0 + q) * 4, 4);
+      for (u32 q = 0; q < 4; ++q)
+        std::memcpy(out + std::size_t{q * 32 + k} * stride + gi * 4, tile + k * 16 + q * 4, 4);
   }
-}
-
-[[noreturn]] void internal_count_mismatch(u32 e, u32 r0) {
-  throw std::logic_error(
-      fmt::format("CSF encode: internal error, exception count mismatch in expert {} rows {}+", e, r0));
 }
 
 // NVFP4 offsets of one slab straight from a swizzled source: the nibble order
@@ -450,24 +688,30 @@ void nv_fill_tiles(const u8* tiles, u32 groups, const u8* slab_bases, u8* slab, 
   u8* nib = slab + 128;
   for (u32 gi = 0; gi < groups; ++gi) {
     const u8* tile = tiles + std::size_t{gi} * 512;
-    for (u32 k = 0; k < 32; ++k) {
-      const u8x16 v = load16(tile + k * 16);
-      u8x16 d = v - bv[k];
-      const auto bad = reinterpret_cast<u8x16>(d > 15);
-      if (any_set(bad)) [[unlikely]] {
-        for (unsigned m = lane_bits(bad); m != 0; m &= m - 1) {
-          const unsigned j = unsigned(__builtin_ctz(m));
-          const u32 rr = k + 32 * (j / 4);
-          if (cursor[rr] >= row_end[rr]) internal_count_mismatch(0, r0);
-          recs[cursor[rr]++] = make_exception((r0 + rr) * padded_cols + gi * 4 + j % 4, v[j]);
+    u8* out = nib + std::size_t{gi} * 256;
+    // Chunks k and k + 1 give 16 adjacent bytes of offsets.
+    for (u32 k = 0; k < 32; k += 2) {
+      u8x16 d[2];
+      for (u32 h = 0; h < 2; ++h) d[h] = load16(tile + (k + h) * 16) - bv[k + h];
+      const u8x16 any = d[0] | d[1];
+      u64 q[2];
+      std::memcpy(q, &any, 16);
+      if (((q[0] | q[1]) & 0xF0F0F0F0F0F0F0F0ull) != 0) [[unlikely]] {
+        for (u32 h = 0; h < 2; ++h) {
+          const auto bad = reinterpret_cast<u8x16>(d[h] > 15);
+          const u8* v = tile + (k + h) * 16;
+          for (unsigned m = lane_bits(bad); m != 0; m &= m - 1) {
+            const unsigned j = unsigned(__builtin_ctz(m));
+            const u32 rr = k + h + 32 * (j / 4);
+            if (cursor[rr] >= row_end[rr]) internal_count_mismatch(0, r0);
+            recs[cursor[rr]++] = make_exception((r0 + rr) * padded_cols + gi * 4 + j % 4, v[j]);
+          }
+          d[h] &= ~bad;
         }
-        d &= ~bad;
       }
-      u16x8 w;
-      std::memcpy(&w, &d, 16);
-      const u16x8 packed = (w & 0xF) | ((w >> 4) & 0xF0);
-      const u8x8 bytes = __builtin_convertvector(packed, u8x8);
-      std::memcpy(nib + std::size_t{gi} * 256 + k * 8, &bytes, 8);
+      const u16x8 x0 = reinterpret_cast<u16x8>(d[0]), x1 = reinterpret_cast<u16x8>(d[1]);
+      const u8x16 packed = pack_low_bytes(x0 | (x0 >> 4), x1 | (x1 >> 4));
+      std::memcpy(out + k * 8, &packed, 16);
     }
   }
 }
@@ -492,6 +736,9 @@ CsfTensor fast_encode(const CsfGeometry& g, std::span<const u8> src, unsigned th
   parallel_for(tasks, threads, [&](std::size_t task) {
     thread_local std::vector<u32> hist;
     thread_local std::vector<u8> scratch;
+    // Scratch rows padded off a power of two: with strides of 2^k the tile
+    // loads and scratch stores alias in the low 12 address bits and stall.
+    const std::size_t stride = round_up(C, 16) + 16;
     if (hist.size() != 1024) hist.assign(1024, 0);
     const u32 e = static_cast<u32>(task / units);
     const u32 r0 = static_cast<u32>(task % units) * unit;
@@ -499,11 +746,11 @@ CsfTensor fast_encode(const CsfGeometry& g, std::span<const u8> src, unsigned th
     const u32 n = std::min(unit, R - r0);
     const u8* expert = src.data() + e * per;
     if (swz) {
-      scratch.resize(std::size_t{unit} * C);
-      unswizzle_rows(expert, r0, unit, C, scratch.data());
+      scratch.resize(std::size_t{unit} * stride);
+      unswizzle_band(expert, r0, C, stride, scratch.data());  // unit == 128 here
     }
     auto row_of = [&](u32 i) {
-      return swz ? scratch.data() + std::size_t{i} * C : expert + std::size_t{r0 + i} * C;
+      return swz ? scratch.data() + std::size_t{i} * stride : expert + std::size_t{r0 + i} * C;
     };
     u8* fixed_e = t.fixed.data() + std::size_t{e} * g.fixed_bytes_per_expert;
     // Pass 1: bases and exception counts of the task's rows.
@@ -513,7 +760,7 @@ CsfTensor fast_encode(const CsfGeometry& g, std::span<const u8> src, unsigned th
     u32* row_counts = counts + std::size_t{e} * g.padded_rows + r0;
     for (u32 i = 0; i < n; ++i) {
       const u32 r = r0 + i;
-      u8* slab = fixed_e + std::size_t{r / g.slab_rows} * g.slab_bytes;
+      u8* slab = fixed_e + std::size_t{nv ? r / 128 : r / 16} * g.slab_bytes;
       const RowResult res =
           nv ? fast_base<16>(row_of(i), C, hist.data()) : fast_base<2>(row_of(i), C, hist.data());
       bases[i] = res.base;
@@ -533,11 +780,20 @@ CsfTensor fast_encode(const CsfGeometry& g, std::span<const u8> src, unsigned th
                     row_end);
       for (u32 i = 0; i < n; ++i)
         if (cursor[i] != row_end[i]) internal_count_mismatch(e, r0);
+    } else if (nv && n == 128) {
+      u8* slab = fixed_e + std::size_t{r0 / 128} * g.slab_bytes;
+      for (u32 k = 0; k < 32; ++k) {
+        const u8* rows[4] = {row_of(k), row_of(k + 32), row_of(k + 64), row_of(k + 96)};
+        const u8 quad_bases[4] = {bases[k], bases[k + 32], bases[k + 64], bases[k + 96]};
+        nv_fill_quad(rows, C, quad_bases, slab, k, r0, g.padded_cols, recs.data(), cursor, row_end);
+      }
+      for (u32 i = 0; i < n; ++i)
+        if (cursor[i] != row_end[i]) internal_count_mismatch(e, r0);
     } else {
       u32* out = recs.data();
       for (u32 i = 0; i < n; ++i) {
         const u32 r = r0 + i;
-        u8* slab = fixed_e + std::size_t{r / g.slab_rows} * g.slab_bytes;
+        u8* slab = fixed_e + std::size_t{nv ? r / 128 : r / 16} * g.slab_bytes;
         u32* end = nv ? nv_fill_row(row_of(i), C, bases[i], slab, r, g.padded_cols, out)
                       : mx_fill_row(row_of(i), C, bases[i], slab, r, g.padded_cols, out);
         if (end != out + row_counts[i]) internal_count_mismatch(e, r0);
@@ -702,9 +958,49 @@ void mx_decode_rows(const CsfTensor& t, u32 e, u32 r0, u8* out) {
 // One 128-row band of an MXFP4 expert into the swizzled layout: 4 rows 32
 // apart are expanded side by side, then 4x4 transposes give whole 16-byte
 // tile chunks. Rows past the CSF grid are 0x00, padding columns the base.
+// Fast case of the band below (C % 8 == 0, all 128 rows inside the CSF
+// grid): every mask byte of a row gives 8 bytes, the halves of two tile
+// chunks; the 4 rows of a chunk are merged in 64-bit registers and stored
+// straight into the tiles, then the records are patched in place.
+void mx_decode_swizzled_band_fast(const CsfTensor& t, u32 e, u32 r0, u8* out) {
+  const CsfGeometry& g = t.geometry;
+  const u32 C = g.shape.cols;
+  const u32 mb = C / 8;
+  const u8* fixed_e = t.fixed.data() + std::size_t{e} * g.fixed_bytes_per_expert;
+  u8* tiles = out + std::size_t{r0 / 128} * (C / 4) * 512;
+  constexpr u64 low = 0xFFFFFFFFull, ones = 0x0101010101010101ull;
+  const u8* m[128];  // mask row and base lanes of band row j
+  u64 b[128];
+  for (u32 j = 0; j < 128; ++j) {
+    const u32 r = r0 + j;
+    const u8* slab = fixed_e + std::size_t{r / 16} * g.slab_bytes;
+    m[j] = slab + 16 + std::size_t{r % 16} * mb;
+    b[j] = u64{slab[r % 16]} * ones;
+  }
+  // Tile by tile, so the output is written as two sequential streams.
+  for (u32 x = 0; x < mb; ++x) {
+    u8* even_tile = tiles + std::size_t{2 * x} * 512;
+    u8* odd_tile = even_tile + 512;
+    for (u32 k = 0; k < 32; ++k) {
+      const u64 v0 = kSpread.v[m[k][x]] + b[k], v1 = kSpread.v[m[k + 32][x]] + b[k + 32];
+      const u64 v2 = kSpread.v[m[k + 64][x]] + b[k + 64], v3 = kSpread.v[m[k + 96][x]] + b[k + 96];
+      // Little-endian: the low half of each row's 8 bytes is columns 8x..8x+3.
+      const u64 even[2] = {(v0 & low) | (v1 << 32), (v2 & low) | (v3 << 32)};
+      const u64 odd[2] = {(v0 >> 32) | (v1 & ~low), (v2 >> 32) | (v3 & ~low)};
+      std::memcpy(even_tile + k * 16, even, 16);
+      std::memcpy(odd_tile + k * 16, odd, 16);
+    }
+  }
+  for (u32 r = r0; r < r0 + 128; ++r) patch_row<true>(t, e, r, out, C);
+}
+
 void mx_decode_swizzled_band(const CsfTensor& t, u32 e, u32 r0, u8* out) {
   const CsfGeometry& g = t.geometry;
   const u32 C = g.shape.cols;
+  if (C % 8 == 0 && r0 + 128 <= g.padded_rows) {
+    mx_decode_swizzled_band_fast(t, e, r0, out);
+    return;
+  }
   const u32 mb = mx_mask_bytes(g.padded_cols);
   const u8* fixed_e = t.fixed.data() + std::size_t{e} * g.fixed_bytes_per_expert;
   const u32 cols = static_cast<u32>(swz_cols(C));
@@ -924,10 +1220,10 @@ void decode(const CsfTensor& tensor, ScaleLayout layout, std::span<std::uint8_t>
   fast_decode(tensor, all, layout, dst, options.threads);
 }
 
-void validate(const CsfTensor& t) {
+// The slow, cell-by-cell check that names the first violation; run only
+// when the fast check below has found one.
+static void validate_detailed(const CsfTensor& t) {
   const CsfGeometry& g = t.geometry;
-  check_geometry(g);
-  check_part_sizes(t);
   const u32 E = g.shape.experts, R = g.shape.rows, C = g.shape.cols, Rp = g.padded_rows, Cp = g.padded_cols;
   const unsigned w = csf_window(g.shape.format);
   const auto& rp = t.row_prefix;
@@ -1028,6 +1324,130 @@ void validate(const CsfTensor& t) {
       }
     }
   }
+}
+
+// Fast structural check: true when the parts are valid. It tests exactly the
+// rules of validate_detailed, but walks the records of a slab in one flat,
+// branch-free loop (each record finds its row from its position and must lie
+// inside that row's prefix range) and touches the fixed part only at bases,
+// exception slots and padding cells.
+template <bool NV>
+static bool validate_fast(const CsfTensor& t) {
+  const CsfGeometry& g = t.geometry;
+  const u32 E = g.shape.experts, R = g.shape.rows, C = g.shape.cols, Rp = g.padded_rows, Cp = g.padded_cols;
+  constexpr unsigned w = NV ? 16 : 2;
+  constexpr u32 SR = NV ? 128 : 16;  // slab rows
+  const u32* rp = t.row_prefix.data();
+  const std::size_t nrp = t.row_prefix.size();
+  u32 bad = rp[0] != 0;
+  for (std::size_t i = 1; i < nrp; ++i) bad |= rp[i] < rp[i - 1];
+  for (std::size_t i = 0; i < t.partition_index.size(); ++i)
+    bad |= t.partition_index[i] != rp[i * g.partition_rows];
+  if (bad) return false;
+  const u32* recs = t.exceptions.data();
+  const u32 mb = mx_mask_bytes(Cp);
+  constexpr u8 max_base = static_cast<u8>(256 - w);
+  // pos / Cp exactly for 24-bit pos and Cp < 2^24: floor(pos * m / 2^48).
+  const u64 magic = (u64{1} << 48) / Cp + 1;
+  // Padding columns of a true row: NVFP4 columns C..Cp-1 (inside the last
+  // 4-column group), MXFP4 mask bits C..8*mb-1 (inside the last mask byte).
+  const bool pad_cols = NV ? C != Cp : C != mb * 8;
+  // Exception slots are scattered over their slab, so reading them from
+  // memory is latency-bound; stream the fixed part into L2 ahead instead (at
+  // least one slab and 8 KiB ahead).
+  const u8* fixed = t.fixed.data();
+  const std::size_t fixed_size = t.fixed.size();
+  const std::size_t SB = g.slab_bytes;
+  const std::size_t ahead = SB * ((8192 + SB - 1) / SB);
+  std::size_t prefetched = std::min<std::size_t>(ahead, fixed_size);
+  const u32 slabs = Rp / SR;
+  for (u32 e = 0; e < E; ++e) {
+    const u8* fixed_e = fixed + std::size_t{e} * g.fixed_bytes_per_expert;
+    const u32* rpe = rp + std::size_t{e} * Rp;
+    u32 lowest = 0;  // the next record's position must be at least this
+    for (u32 s = 0; s < slabs; ++s) {
+      const u8* slab = fixed_e + std::size_t{s} * SB;
+      // Prefetch up to one slab (plus `ahead`) past this one: two lines per
+      // record inside the record loop, the rest after it.
+      const std::size_t until = std::min(static_cast<std::size_t>(slab - fixed) + SB + ahead, fixed_size);
+      const u32 r0 = s * SR;
+      if (r0 + SR <= R) {
+        u8 mx = 0;
+        for (u32 j = 0; j < SR; ++j) mx = std::max(mx, slab[j]);  // NVFP4: the 128 bases, any order
+        bad |= mx > max_base;
+      } else {
+        for (u32 j = 0; j < SR; ++j) {
+          const u32 r = r0 + j;
+          const u8 base = NV ? slab[nv_base_offset(j)] : slab[j];
+          if (r < R) {
+            bad |= base > max_base;
+            continue;
+          }
+          // Padding row: base 0, no records, every offset 0.
+          const u8* row_nib =
+              NV ? slab + 128 + std::size_t{j % 32} * 8 + (j / 32) * 2 : slab + 16 + std::size_t{j} * mb;
+          u32 any = base | (rpe[r + 1] - rpe[r]);
+          if constexpr (NV) {
+            for (u32 gi = 0; gi < Cp / 4; ++gi)
+              any |= row_nib[std::size_t{gi} * 256] | row_nib[std::size_t{gi} * 256 + 1];
+          } else {
+            for (u32 k = 0; k < mb; ++k) any |= row_nib[k];
+          }
+          bad |= any;
+        }
+      }
+      if (pad_cols) {
+        for (u32 j = 0; j < SR && r0 + j < R; ++j) {
+          const u8* row_nib =
+              NV ? slab + 128 + std::size_t{j % 32} * 8 + (j / 32) * 2 : slab + 16 + std::size_t{j} * mb;
+          if constexpr (NV) {
+            const u8* q = row_nib + std::size_t{C / 4} * 256;  // C % 4 in 1..3
+            const u32 word = u32{q[0]} | u32{q[1]} << 8;       // nibble j = column 4 * (C / 4) + j
+            bad |= word >> (4 * (C % 4));
+          } else {
+            bad |= row_nib[C / 8] >> (C % 8);
+            for (u32 k = C / 8 + 1; k < mb; ++k) bad |= row_nib[k];
+          }
+        }
+      }
+      const u32 first = rpe[r0], last = rpe[r0 + SR];
+      for (u32 i = first; i < last; ++i) {
+        const u32 rec = recs[i];
+        const u32 pos = exception_position(rec);
+        const u32 r = static_cast<u32>((pos * magic) >> 48);
+        const u32 c = pos - r * Cp;
+        bool out = r >= R || c >= C || pos < lowest;
+        lowest = pos + 1;
+        const u32 r1 = out ? r0 : r;  // keep every read inside the slab
+        out |= i < rpe[r1] || i >= rpe[r1 + 1];
+        const u32 j = out ? 0 : r1 - r0;
+        const u32 cc = out ? 0 : c;
+        const u8* row_nib =
+            NV ? slab + 128 + std::size_t{j % 32} * 8 + (j / 32) * 2 : slab + 16 + std::size_t{j} * mb;
+        const u8 base = NV ? slab[nv_base_offset(j)] : slab[j];
+        const u32 off = NV ? (row_nib[std::size_t{cc / 4} * 256 + (cc % 4) / 2] >> ((cc & 1) * 4)) & 0xF
+                           : (row_nib[cc / 8] >> (cc % 8)) & 1;
+        bad |= out | off | (u8(exception_value(rec) - base) < w);
+        for (int k = 0; k < 2; ++k) {
+          const bool more = prefetched < until;
+          __builtin_prefetch(fixed + (more ? prefetched : until - 1), 0, 2);
+          prefetched += more ? 64 : 0;
+        }
+      }
+      for (; prefetched < until; prefetched += 64) __builtin_prefetch(fixed + prefetched, 0, 2);
+    }
+    if (bad) return false;
+  }
+  return bad == 0;
+}
+
+void validate(const CsfTensor& t) {
+  const CsfGeometry& g = t.geometry;
+  check_geometry(g);
+  check_part_sizes(t);
+  if (g.shape.format == ScaleFormat::nvfp4 ? validate_fast<true>(t) : validate_fast<false>(t)) return;
+  validate_detailed(t);
+  throw FormatError(fmt::format("CSF parts of grid {}: the structural check failed", describe(g.shape)));
 }
 
 CsfStats stats(const CsfTensor& t) {

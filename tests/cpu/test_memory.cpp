@@ -53,7 +53,7 @@ TEST(Memory, NativeTensorsAndLayerSums) {
   EXPECT_DOUBLE_EQ(layer.ratio(), 1.0);
   EXPECT_EQ(layer.saved(), 0u);
   EXPECT_EQ(expand_scratch_bytes(w13, w2, ScaleLayout::row_major), a.native + b.native);
-  // MXFP4 rows of 224 columns are padded to 228 in the swizzled layout.
+  // The swizzled layout pads columns to a multiple of 4 (a no-op here) and rows to 128.
   const GridShape m13 = w13_scale_shape(kDeepSeekV3, ScaleFormat::mxfp4);
   const GridShape m2 = w2_scale_shape(kDeepSeekV3, ScaleFormat::mxfp4);
   EXPECT_EQ(expand_scratch_bytes(m13, m2, ScaleLayout::swizzled_128x4),
