@@ -15,39 +15,21 @@
 #include "csfmoe/errors.hpp"
 #include "csfmoe/moe_nccl.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/strf.hpp"
 
 namespace csfmoe {
 namespace fs = std::filesystem;
 
 namespace {
 
-// nvcc (C++20) cannot compile fmt's compile-time format checks, so this
-// file formats its messages with a small run-time "{}" substitution.
-template <class... A>
-std::string sfmt(std::string_view f, const A&... a) {
-  std::ostringstream o;
-  std::string_view rest = f;
-  auto one = [&](const auto& x) {
-    const auto p = rest.find('{'), q = rest.find('}', p);
-    o << rest.substr(0, p) << x;
-    rest = rest.substr(q + 1);
-  };
-  (one(a), ...);
-  o << rest;
-  return o.str();
-}
+// nvcc cannot build fmt's compile-time format checks: strf.hpp formats at run time.
+using cuda_detail::strf;
 
 void nccl_check(ncclResult_t r, const char* call) {
   if (r != ncclSuccess)
-    throw CudaError(sfmt("{} failed: {} ({})", call, ncclGetErrorString(r), ncclGetLastError(nullptr)));
+    throw CudaError(strf("{} failed: {} ({})", call, ncclGetErrorString(r), ncclGetLastError(nullptr)));
 }
 #define CSFMOE_NCCL(call) nccl_check((call), #call)
-
-void cuda_check(cudaError_t e, const char* call) {
-  if (e != cudaSuccess)
-    throw CudaError(sfmt("{} failed: {} ({})", call, cudaGetErrorName(e), cudaGetErrorString(e)));
-}
-#define CSFMOE_CU(call) cuda_check((call), #call)
 
 // dst[i, :] = src[rows[i], :] for n rows of h bf16 values.
 __global__ void gather_rows(const std::uint16_t* src, const std::int32_t* rows, std::uint64_t n,
@@ -82,7 +64,7 @@ __global__ void fill_ones(float* p, std::uint64_t n) {
 template <class T>
 T* device_alloc(std::uint64_t n) {
   void* p = nullptr;
-  CSFMOE_CU(cudaMalloc(&p, std::max<std::uint64_t>(n, 1) * sizeof(T)));
+  CSFMOE_CUDA_CHECK(cudaMalloc(&p, std::max<std::uint64_t>(n, 1) * sizeof(T)));
   return static_cast<T*>(p);
 }
 
@@ -90,12 +72,12 @@ T* device_alloc(std::uint64_t n) {
 
 // ---------------------------------------------------------------------------
 NcclContext nccl_init_from_file(const fs::path& id_file, int rank, int world, int device, double timeout_s) {
-  if (world < 1) throw InvalidArgument(sfmt("nccl_init_from_file: world size {} is below 1", world));
+  if (world < 1) throw InvalidArgument(strf("nccl_init_from_file: world size {} is below 1", world));
   if (rank < 0 || rank >= world)
-    throw InvalidArgument(sfmt("nccl_init_from_file: rank {} is outside [0, {})", rank, world));
+    throw InvalidArgument(strf("nccl_init_from_file: rank {} is outside [0, {})", rank, world));
   // NVLink multicast (NVLS) stays off: it needs fabric support the lent machines do not have.
   ::setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
-  CSFMOE_CU(cudaSetDevice(device));
+  CSFMOE_CUDA_CHECK(cudaSetDevice(device));
   ncclUniqueId id;
   if (rank == 0) {
     CSFMOE_NCCL(ncclGetUniqueId(&id));
@@ -104,18 +86,18 @@ NcclContext nccl_init_from_file(const fs::path& id_file, int rank, int world, in
     {
       std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
       out.write(id.internal, sizeof(id.internal));
-      if (!out) throw IoError(sfmt("{}: cannot write the NCCL unique id", tmp.string()));
+      if (!out) throw IoError(strf("{}: cannot write the NCCL unique id", tmp.string()));
     }
     std::error_code ec;
     fs::rename(tmp, id_file, ec);
-    if (ec) throw IoError(sfmt("{}: cannot publish the NCCL unique id: {}", id_file.string(), ec.message()));
+    if (ec) throw IoError(strf("{}: cannot publish the NCCL unique id: {}", id_file.string(), ec.message()));
   } else {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
     for (;;) {
       std::ifstream in(id_file, std::ios::binary);
       if (in && in.read(id.internal, sizeof(id.internal)) && in.gcount() == sizeof(id.internal)) break;
       if (std::chrono::steady_clock::now() > deadline)
-        throw IoError(sfmt("{}: no NCCL unique id from rank 0 after {} s", id_file.string(), timeout_s));
+        throw IoError(strf("{}: no NCCL unique id from rank 0 after {} s", id_file.string(), timeout_s));
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
   }
@@ -157,14 +139,14 @@ ExpertParallelMoe::ExpertParallelMoe(const NcclContext& ctx, const BoundMoe& loc
   const MoeLayerGeometry& lg = local.weights().plan().geometry;
   if (lg.experts != part_.count || lg.topk != 1 || lg.hidden != hidden)
     throw InvalidArgument(
-        sfmt("ExpertParallelMoe: the local layer must hold this rank's {} experts with top-k 1 and H = {}; "
+        strf("ExpertParallelMoe: the local layer must hold this rank's {} experts with top-k 1 and H = {}; "
              "it has E = "
              "{}, k = {}, H = {}",
              part_.count, hidden, lg.experts, lg.topk, lg.hidden));
   max_pairs_ = std::uint64_t{max_tokens} * topk;
   max_recv_ = max_pairs_ * std::uint64_t(ctx.world);
   if (local.max_tokens() < max_recv_)
-    throw InvalidArgument(sfmt(
+    throw InvalidArgument(strf(
         "ExpertParallelMoe: the local binding takes {} tokens, up to {} (world x max_tokens x k) may arrive",
         local.max_tokens(), max_recv_));
   cuda_detail::DeviceGuard guard(ctx.device);
@@ -179,8 +161,8 @@ ExpertParallelMoe::ExpertParallelMoe(const NcclContext& ctx, const BoundMoe& loc
   ones_ = device_alloc<float>(max_recv_);
   counts_ = device_alloc<std::int64_t>(2 * std::uint64_t(ctx.world));
   fill_ones<<<256, 256, 0, local.stream()>>>(ones_, max_recv_);
-  CSFMOE_CU(cudaGetLastError());
-  CSFMOE_CU(cudaStreamSynchronize(local.stream()));
+  CSFMOE_CUDA_CHECK(cudaGetLastError());
+  CSFMOE_CUDA_CHECK(cudaStreamSynchronize(local.stream()));
 }
 
 ExpertParallelMoe::~ExpertParallelMoe() {
@@ -194,7 +176,7 @@ ExpertParallelMoe::~ExpertParallelMoe() {
 void ExpertParallelMoe::run(const void* hidden, std::uint32_t tokens, const void* topk_ids, IndexType id_type,
                             const float* topk_weights, void* out) {
   if (tokens > max_tokens_)
-    throw InvalidArgument(sfmt("ExpertParallelMoe::run: {} tokens, the layer takes {}", tokens, max_tokens_));
+    throw InvalidArgument(strf("ExpertParallelMoe::run: {} tokens, the layer takes {}", tokens, max_tokens_));
   if (tokens == 0) return;
   cuda_detail::DeviceGuard guard(ctx_.device);
   const cudaStream_t s = local_.stream();
@@ -203,12 +185,12 @@ void ExpertParallelMoe::run(const void* hidden, std::uint32_t tokens, const void
   // 1. Routing to the host: who gets which (token, slot).
   host_ids_.resize(pairs);
   if (id_type == IndexType::int64) {
-    CSFMOE_CU(cudaMemcpyAsync(host_ids_.data(), topk_ids, pairs * 8, cudaMemcpyDeviceToHost, s));
-    CSFMOE_CU(cudaStreamSynchronize(s));
+    CSFMOE_CUDA_CHECK(cudaMemcpyAsync(host_ids_.data(), topk_ids, pairs * 8, cudaMemcpyDeviceToHost, s));
+    CSFMOE_CUDA_CHECK(cudaStreamSynchronize(s));
   } else {
     std::vector<std::int32_t> tmp(pairs);
-    CSFMOE_CU(cudaMemcpyAsync(tmp.data(), topk_ids, pairs * 4, cudaMemcpyDeviceToHost, s));
-    CSFMOE_CU(cudaStreamSynchronize(s));
+    CSFMOE_CUDA_CHECK(cudaMemcpyAsync(tmp.data(), topk_ids, pairs * 4, cudaMemcpyDeviceToHost, s));
+    CSFMOE_CUDA_CHECK(cudaStreamSynchronize(s));
     for (std::uint64_t i = 0; i < pairs; ++i) host_ids_[i] = tmp[i];
   }
   std::vector<std::int64_t> send_count(W, 0), send_off(W + 1, 0), recv_count(W), recv_off(W + 1, 0);
@@ -216,7 +198,7 @@ void ExpertParallelMoe::run(const void* hidden, std::uint32_t tokens, const void
   for (std::uint64_t i = 0; i < pairs; ++i) {
     const std::int64_t e = host_ids_[i];
     if (e < 0 || e >= std::int64_t(experts_))
-      throw InvalidArgument(sfmt("ExpertParallelMoe::run: topk_ids[{}, {}] = {} is outside [0, {})",
+      throw InvalidArgument(strf("ExpertParallelMoe::run: topk_ids[{}, {}] = {} is outside [0, {})",
                                  i / topk_, i % topk_, e, experts_));
     owner[i] = int(expert_owner(experts_, unsigned(W), std::uint32_t(e)));
     ++send_count[owner[i]];
@@ -235,10 +217,10 @@ void ExpertParallelMoe::run(const void* hidden, std::uint32_t tokens, const void
       h_slot_pos_[i] = std::int32_t(at);  // the row comes back to the same place
     }
   }
-  CSFMOE_CU(cudaMemcpyAsync(gather_, h_gather_.data(), pairs * 4, cudaMemcpyHostToDevice, s));
-  CSFMOE_CU(cudaMemcpyAsync(send_ids_, h_send_ids_.data(), pairs * 4, cudaMemcpyHostToDevice, s));
-  CSFMOE_CU(cudaMemcpyAsync(slot_pos_, h_slot_pos_.data(), pairs * 4, cudaMemcpyHostToDevice, s));
-  CSFMOE_CU(cudaMemcpyAsync(counts_, send_count.data(), W * 8, cudaMemcpyHostToDevice, s));
+  CSFMOE_CUDA_CHECK(cudaMemcpyAsync(gather_, h_gather_.data(), pairs * 4, cudaMemcpyHostToDevice, s));
+  CSFMOE_CUDA_CHECK(cudaMemcpyAsync(send_ids_, h_send_ids_.data(), pairs * 4, cudaMemcpyHostToDevice, s));
+  CSFMOE_CUDA_CHECK(cudaMemcpyAsync(slot_pos_, h_slot_pos_.data(), pairs * 4, cudaMemcpyHostToDevice, s));
+  CSFMOE_CUDA_CHECK(cudaMemcpyAsync(counts_, send_count.data(), W * 8, cudaMemcpyHostToDevice, s));
   // 2. Counts all-to-all.
   CSFMOE_NCCL(ncclGroupStart());
   for (int p = 0; p < W; ++p) {
@@ -246,19 +228,19 @@ void ExpertParallelMoe::run(const void* hidden, std::uint32_t tokens, const void
     CSFMOE_NCCL(ncclRecv(counts_ + W + p, 1, ncclInt64, p, ctx_.comm, s));
   }
   CSFMOE_NCCL(ncclGroupEnd());
-  CSFMOE_CU(cudaMemcpyAsync(recv_count.data(), counts_ + W, W * 8, cudaMemcpyDeviceToHost, s));
-  CSFMOE_CU(cudaStreamSynchronize(s));
+  CSFMOE_CUDA_CHECK(cudaMemcpyAsync(recv_count.data(), counts_ + W, W * 8, cudaMemcpyDeviceToHost, s));
+  CSFMOE_CUDA_CHECK(cudaStreamSynchronize(s));
   for (int p = 0; p < W; ++p) recv_off[p + 1] = recv_off[p] + recv_count[p];
   const std::uint64_t received = std::uint64_t(recv_off[W]);
   if (received > max_recv_)
     throw InvalidArgument(
-        sfmt("ExpertParallelMoe::run: {} pairs arrived, buffers hold {} (peers called with "
+        strf("ExpertParallelMoe::run: {} pairs arrived, buffers hold {} (peers called with "
              "more tokens than max_tokens?)",
              received, max_recv_));
   // 3. Dispatch: rows and local expert ids to their owners.
   gather_rows<<<std::uint32_t(std::min<std::uint64_t>(pairs, 65535)), 128, 0, s>>>(
       static_cast<const std::uint16_t*>(hidden), gather_, pairs, hidden_, send_x_);
-  CSFMOE_CU(cudaGetLastError());
+  CSFMOE_CUDA_CHECK(cudaGetLastError());
   const std::uint64_t H = hidden_;
   CSFMOE_NCCL(ncclGroupStart());
   for (int p = 0; p < W; ++p) {
@@ -280,7 +262,7 @@ void ExpertParallelMoe::run(const void* hidden, std::uint32_t tokens, const void
   // 6. Combine in slot order.
   combine_slots<<<std::min<std::uint32_t>(tokens, 65535), 128, 0, s>>>(
       back_y_, slot_pos_, topk_weights, tokens, topk_, hidden_, static_cast<std::uint16_t*>(out));
-  CSFMOE_CU(cudaGetLastError());
+  CSFMOE_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace csfmoe

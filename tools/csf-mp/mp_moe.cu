@@ -17,29 +17,17 @@
 
 #include "csfmoe/errors.hpp"
 #include "csfmoe/moe_nccl.hpp"
+#include "cuda/strf.hpp"
 
 using namespace csfmoe;
 
 namespace {
 
-// nvcc (C++20) cannot compile fmt's compile-time format checks, so this
-// file formats its messages with a small run-time "{}" substitution.
-template <class... A>
-std::string sfmt(std::string_view f, const A&... a) {
-  std::ostringstream o;
-  std::string_view rest = f;
-  auto one = [&](const auto& x) {
-    const auto p = rest.find('{'), q = rest.find('}', p);
-    o << rest.substr(0, p) << x;
-    rest = rest.substr(q + 1);
-  };
-  (one(a), ...);
-  o << rest;
-  return o.str();
-}
+// nvcc cannot build fmt's compile-time format checks: strf.hpp formats at run time.
+using cuda_detail::strf;
 
 void ck(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw CudaError(sfmt("{}: {}", what, cudaGetErrorString(e)));
+  if (e != cudaSuccess) throw CudaError(strf("{}: {}", what, cudaGetErrorString(e)));
 }
 
 template <class T>
