@@ -29,18 +29,6 @@ namespace {
 
 constexpr const char* kIndexKey = "csfmoe";  // key inside the rewritten index's "metadata"
 
-std::uint32_t crc_of(std::span<const std::uint8_t> b) {
-  uLong c = crc32(0L, Z_NULL, 0);
-  while (!b.empty()) {
-    const std::size_t n = std::min<std::size_t>(b.size(), std::size_t{1} << 30);
-    c = crc32(c, b.data(), static_cast<uInt>(n));
-    b = b.subspan(n);
-  }
-  return static_cast<std::uint32_t>(c);
-}
-std::uint32_t crc_of(std::string_view s) {
-  return crc_of(std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(s.data()), s.size()));
-}
 std::uint32_t crc_join(std::uint32_t a, std::uint32_t b, std::uint64_t len_b) {
   return static_cast<std::uint32_t>(crc32_combine64(a, b, static_cast<z_off64_t>(len_b)));
 }

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <zlib.h>
 
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -233,6 +234,19 @@ std::string base64_decode(std::string_view in, const std::string& what) {
     if (pad < 1) out += char(v & 0xFF);
   }
   return out;
+}
+
+std::uint32_t crc_of(std::span<const std::uint8_t> b) {
+  uLong c = crc32(0L, Z_NULL, 0);
+  while (!b.empty()) {
+    const std::size_t n = std::min<std::size_t>(b.size(), std::size_t{1} << 30);
+    c = crc32(c, b.data(), static_cast<uInt>(n));
+    b = b.subspan(n);
+  }
+  return static_cast<std::uint32_t>(c);
+}
+std::uint32_t crc_of(std::string_view s) {
+  return crc_of(std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(s.data()), s.size()));
 }
 
 CsfTensor load_csf_parts(const st::File& c, const CsfEntry& e, const std::string& label) {

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,10 @@ std::optional<ContainerInfo> get_container_metadata(const std::optional<st::Meta
 // `c` (untrusted: shapes, dtypes and the parts themselves are checked);
 // FormatError messages start with `label` and the tensor name.
 CsfTensor load_csf_parts(const st::File& c, const CsfEntry& e, const std::string& label);
+
+// zlib CRC32 of any number of bytes (zlib takes at most 4 GiB a call).
+std::uint32_t crc_of(std::span<const std::uint8_t> bytes);
+std::uint32_t crc_of(std::string_view bytes);
 
 std::string base64_encode(std::string_view in);
 std::string base64_decode(std::string_view in, const std::string& what);  // FormatError on bad input

@@ -3,7 +3,6 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <cctype>
@@ -31,16 +30,6 @@ bool ends_with(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
 std::string shape_str(const std::vector<std::uint64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
-
-std::uint32_t crc_of(std::span<const std::uint8_t> b) {
-  uLong c = crc32(0L, Z_NULL, 0);
-  while (!b.empty()) {
-    const std::size_t n = std::min<std::size_t>(b.size(), std::size_t{1} << 30);
-    c = crc32(c, b.data(), static_cast<uInt>(n));
-    b = b.subspan(n);
-  }
-  return static_cast<std::uint32_t>(c);
-}
 
 // One safetensors file seen through its logical (original) tensors: for a CSF
 // container, the tensors of the original file, scale tensors decoded from
