@@ -19,6 +19,7 @@
 #include "csfmoe/errors.hpp"
 #include "csfmoe/safetensors.hpp"
 #include "csfmoe/synthetic.hpp"
+#include "test_files.hpp"
 #include "test_seed.hpp"
 
 namespace fs = std::filesystem;
@@ -27,33 +28,9 @@ using ojson = nlohmann::ordered_json;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::random_device rd;
-    path = fs::temp_directory_path() /
-           ("csfmoe-ckpt-" + std::to_string(::getpid()) + "-" + std::to_string(rd()));
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::set<std::string> entries() const {
-    std::set<std::string> s;
-    for (const auto& e : fs::directory_iterator(path)) s.insert(e.path().filename().string());
-    return s;
-  }
-};
-
-void write_bytes(const fs::path& p, std::string_view b) {
-  std::ofstream f(p, std::ios::binary);
-  f.write(b.data(), static_cast<std::streamsize>(b.size()));
-}
-std::string read_bytes(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), {}};
-}
+using csfmoe::testing::read_bytes;
+using csfmoe::testing::TempDir;
+using csfmoe::testing::write_bytes;
 
 struct Src {
   std::string name, dtype;

@@ -28,6 +28,7 @@
 #include "csfmoe/checkpoint.hpp"
 #include "csfmoe/safetensors.hpp"
 #include "csfmoe/synthetic.hpp"
+#include "test_files.hpp"
 #include "test_seed.hpp"
 
 namespace fs = std::filesystem;
@@ -35,24 +36,8 @@ using namespace csfmoe;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::random_device rd;
-    path = fs::temp_directory_path() /
-           ("csfmoe-crash-" + std::to_string(::getpid()) + "-" + std::to_string(rd()));
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
-std::string read_bytes(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), {}};
-}
+using csfmoe::testing::read_bytes;
+using csfmoe::testing::TempDir;
 
 // CRC32 of every regular file under p (or of p itself), keyed by relative name.
 std::map<std::string, std::uint32_t> tree_hash(const fs::path& p) {

@@ -23,6 +23,7 @@
 #include "csfmoe/errors.hpp"
 #include "csfmoe/safetensors.hpp"
 #include "csfmoe/synthetic.hpp"
+#include "test_files.hpp"
 #include "test_seed.hpp"
 
 namespace fs = std::filesystem;
@@ -31,28 +32,9 @@ using ojson = nlohmann::ordered_json;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::random_device rd;
-    path = fs::temp_directory_path() /
-           ("csfmoe-hostile-" + std::to_string(::getpid()) + "-" + std::to_string(rd()));
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
-void write_bytes(const fs::path& p, std::string_view b) {
-  std::ofstream f(p, std::ios::binary);
-  f.write(b.data(), static_cast<std::streamsize>(b.size()));
-}
-std::string read_bytes(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), {}};
-}
+using csfmoe::testing::read_bytes;
+using csfmoe::testing::TempDir;
+using csfmoe::testing::write_bytes;
 
 std::string with_length(std::uint64_t n, std::string_view rest) {
   std::string out(8, '\0');
