@@ -79,13 +79,9 @@ ScaleLayout layout_arg(const std::string& s);
 
 void bind_codec(nb::module_& m);
 void bind_checkpoint(nb::module_& m);
+void bind_moe(nb::module_& m);
 #if defined(CSFMOE_HAVE_CUDA)
 void bind_cuda(nb::module_& m);
-#endif
-#if defined(CSFMOE_PY_HAVE_MOE)
-void bind_moe(nb::module_& m);
-#endif
-#if defined(CSFMOE_PY_HAVE_MOE_CUDA)
 void bind_moe_cuda(nb::module_& m);
 #endif
 

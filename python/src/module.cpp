@@ -54,26 +54,17 @@ NB_MODULE(_csfmoe, m) {
   m.def("_set_error_classes", &set_error_classes);
 #if defined(CSFMOE_HAVE_CUDA)
   m.attr("has_cuda") = true;
+  m.attr("has_moe_cuda") = true;
 #else
   m.attr("has_cuda") = false;
+  m.attr("has_moe_cuda") = false;
 #endif
-#if defined(CSFMOE_PY_HAVE_MOE)
   m.attr("has_moe") = true;
-#else
-  m.attr("has_moe") = false;
-#endif
   bind_codec(m);
   bind_checkpoint(m);
+  bind_moe(m);
 #if defined(CSFMOE_HAVE_CUDA)
   bind_cuda(m);
-#endif
-#if defined(CSFMOE_PY_HAVE_MOE)
-  bind_moe(m);
-#endif
-#if defined(CSFMOE_PY_HAVE_MOE_CUDA)
-  m.attr("has_moe_cuda") = true;
   bind_moe_cuda(m);
-#else
-  m.attr("has_moe_cuda") = false;
 #endif
 }
