@@ -85,11 +85,24 @@ struct MoeWorkspace {
 // Workspace a binding for up to max_tokens tokens needs.
 std::uint64_t moe_workspace_bytes(const MoePlan& plan, std::uint32_t max_tokens);
 
+// The GEMM kernels a call can run on: the weight-streaming decode kernel
+// (tokens are the MMA's narrow side; best while experts see few tokens) or the
+// tiled kernel (64 x 64 tiles; large calls). Both give results within the
+// same error bound; each is deterministic, and all scale modes of one kernel
+// give identical bits.
+enum class MoeKernel { decode, tiled };
+const char* to_string(MoeKernel k);
+
 struct MoeBindOptions {
   // Force one scale mode for every call (tests, benchmarks); it must suit the
   // layer: native needs compression none, the others csf, expanded and
   // routed a scratch.
   std::optional<MoeScaleMode> force_mode;
+  // Calls with T <= decode_max_tokens run the decode kernel, larger ones the
+  // tiled kernel; 0 means always tiled. Layers whose H or N is not a multiple
+  // of 128, or whose decode kernel would not fit the device's shared memory,
+  // always run tiled.
+  std::uint32_t decode_max_tokens = 1024;
 };
 
 // A frozen launch configuration: stream, token bound, workspace, and the rule
@@ -104,6 +117,7 @@ class BoundMoe {
   cudaStream_t stream() const { return stream_; }
   std::uint32_t max_tokens() const { return max_tokens_; }
   MoeScaleMode mode_for(std::uint32_t tokens) const;
+  MoeKernel kernel_for(std::uint32_t tokens) const;
   // Ids outside [0, E) seen by the last call (they contribute nothing).
   // Synchronizes the stream; for debugging, never inside a capture.
   std::uint32_t invalid_id_count() const;
@@ -117,6 +131,7 @@ class BoundMoe {
   std::uint32_t max_tokens_ = 0;
   MoeWorkspace workspace_;
   bool scales_expanded_ = false;
+  bool decode_ok_ = false;  // the layer's shape suits the decode kernel on its device
   MoeBindOptions options_;
 };
 

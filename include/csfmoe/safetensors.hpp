@@ -113,9 +113,28 @@ class File {
   Header header_;
 };
 
-// A file written to `.<name>.tmp-<pid>` in the destination folder and renamed
-// onto the destination by commit() (after fsync), refusing to replace an
-// existing file. Destroying it uncommitted removes the temporary.
+// The temporary `.<name>.tmp-<pid>` (this process's pid) beside `dest`, where
+// a writer builds `dest` before renaming it into place. First it removes what
+// killed writers left there: every other `.<name>.tmp-<N>` in that folder
+// (N decimal, as written here) whose process no longer exists, i.e.
+// kill(N, 0) fails with ESRCH. A temporary whose owner is alive (a concurrent
+// writer, or EPERM: another user's process) is left alone, as is this pid's
+// own name, anything of another name, and anything that is not a regular file
+// or a folder (a symlink named like a temporary is neither followed nor
+// removed). A stale folder is first renamed to `.<name>.tmp-<N>.stale` (also
+// swept, by the same rule), then emptied through file descriptors without
+// following symlinks (they are unlinked) or entering another filesystem.
+// Best effort: what cannot be removed stays and the write goes on. A writer
+// in another pid namespace or on another host sharing the folder looks dead;
+// removing or renaming its temporary makes that run fail (its rename finds
+// nothing), never commit a partial output. Used by AtomicFile and the
+// checkpoint folder writer.
+std::filesystem::path prepare_temporary(const std::filesystem::path& dest);
+
+// A file written to `.<name>.tmp-<pid>` in the destination folder (see
+// prepare_temporary) and renamed onto the destination by commit() (after
+// fsync), refusing to replace an existing file. Destroying it uncommitted
+// removes the temporary.
 class AtomicFile {
  public:
   explicit AtomicFile(std::filesystem::path dest);  // throws IoError

@@ -29,15 +29,21 @@ constexpr GemmFn kGemm[2][3][2] = {
 
 }  // namespace
 
-void launch_gate_up(ScaleFormat f, const GemmParams& p, cudaStream_t stream) {
+void launch_gate_up(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t stream) {
   if (p.max_tiles == 0) return;
-  kGemm[int(f)][int(p.scales.kind)][1](p, stream);
+  if (path == GemmPath::tiled)
+    kGemm[int(f)][int(p.scales.kind)][1](p, stream);
+  else
+    launch_decode(f, true, path, p, stream);
   check_launch("moe gate/up GEMM");
 }
 
-void launch_down(ScaleFormat f, const GemmParams& p, cudaStream_t stream) {
+void launch_down(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t stream) {
   if (p.max_tiles == 0) return;
-  kGemm[int(f)][int(p.scales.kind)][0](p, stream);
+  if (path == GemmPath::tiled)
+    kGemm[int(f)][int(p.scales.kind)][0](p, stream);
+  else
+    launch_decode(f, false, path, p, stream);
   check_launch("moe down GEMM");
 }
 

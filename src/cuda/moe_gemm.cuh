@@ -16,57 +16,12 @@
 #include <mma.h>
 
 #include "cuda/moe_kernels.cuh"
+#include "cuda/moe_scale_read.cuh"
 
 namespace csfmoe::moe_detail {
 
 constexpr int kLds = kTileK + 8;  // bf16 row pitch in shared memory (bank spread)
 constexpr int kLdc = kTileN + 4;  // f32 row pitch of the epilogue staging
-
-template <ScaleFormat F>
-__device__ __forceinline__ float scale_to_float(std::uint8_t b) {
-  if constexpr (F == ScaleFormat::nvfp4)
-    return e4m3fn_to_float(b);
-  else
-    return e8m0_to_float(b);
-}
-
-// E2M1 decode by bit assembly (same values as e2m1_to_float, whose table
-// lookup with a run-time index would live in local memory).
-__device__ __forceinline__ float e2m1_bits_to_float(std::uint32_t code) {
-  const std::uint32_t mag = code & 7u;
-  const std::uint32_t bits =
-      mag == 1u ? 0x3F000000u : (mag >= 2u ? (((mag >> 1) + 126u) << 23) | ((mag & 1u) << 22) : 0u);
-  return __uint_as_float(bits | ((code & 8u) << 28));
-}
-
-// Scale byte (e, row, col) from a dense grid.
-template <ScaleKind K>
-__device__ __forceinline__ std::uint8_t dense_scale(const ScaleSource& s, int e, std::uint32_t row,
-                                                    std::uint32_t col) {
-  const std::uint8_t* g = s.dense + std::uint64_t(e) * s.expert_stride;
-  if constexpr (K == ScaleKind::dense_swizzled)
-    return g[swizzled_index(row, col, s.cols)];
-  else
-    return g[std::uint64_t(row) * s.cols + col];
-}
-
-// Base + offset of (e, row, col) from the CSF fixed part; exception slots
-// hold offset 0 and are patched afterwards from the records.
-template <ScaleFormat F>
-__device__ __forceinline__ std::uint8_t csf_fixed_scale(const ScaleSource& s, int e, std::uint32_t row,
-                                                        std::uint32_t col) {
-  const std::uint8_t* slab =
-      s.fixed + std::uint64_t(e) * s.fixed_per_expert + std::uint64_t(row / csf_slab_rows(F)) * s.slab_bytes;
-  if constexpr (F == ScaleFormat::nvfp4) {
-    const std::uint8_t base = slab[(row % 32) * 4 + (row % 128) / 32];
-    const std::uint32_t n = (col / 4) * 512 + (row % 32) * 16 + ((row % 128) / 32) * 4 + (col % 4);
-    return std::uint8_t(base + ((slab[128 + n / 2] >> ((n & 1) * 4)) & 0xF));
-  } else {
-    const std::uint8_t base = slab[row % 16];
-    const std::uint32_t mask_bytes = (s.padded_cols + 7) / 8;
-    return std::uint8_t(base + ((slab[16 + (row % 16) * mask_bytes + col / 8] >> (col % 8)) & 1));
-  }
-}
 
 template <bool GateUp>
 struct TileRows {

@@ -72,8 +72,20 @@ struct GemmParams {
   float* slot_out = nullptr;
 };
 
-void launch_gate_up(ScaleFormat f, const GemmParams& p, cudaStream_t stream);
-void launch_down(ScaleFormat f, const GemmParams& p, cudaStream_t stream);
+// Which GEMM kernel runs a call: the tiled kernel (moe_gemm.cuh), or the
+// weight-streaming decode kernel (moe_decode.cuh) with token passes of 8 or 32.
+enum class GemmPath : int { tiled = 0, decode_8 = 1, decode_32 = 2 };
+
+void launch_gate_up(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t stream);
+void launch_down(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t stream);
+
+// Decode kernels: usable when K of both projections is a multiple of 128 and
+// their shared memory fits the device (decode_smem_bytes <= opt-in maximum).
+// configure_decode_kernels lets them use it on the current device.
+bool decode_shape_ok(std::uint32_t hidden, std::uint32_t intermediate);
+std::uint32_t decode_smem_bytes(ScaleFormat f, std::uint32_t k);
+void configure_decode_kernels(std::uint32_t smem_bytes);
+void launch_decode(ScaleFormat f, bool gate_up, GemmPath path, const GemmParams& p, cudaStream_t stream);
 
 struct CombineParams {
   const float* slot_out = nullptr;

@@ -3,6 +3,7 @@
 // -> down GEMM -> combine).
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <string>
 
 #include "csfmoe/errors.hpp"
@@ -191,6 +192,12 @@ MoeScaleMode BoundMoe::mode_for(std::uint32_t tokens) const {
   return tokens <= p.constraints.stage_read_max_tokens ? MoeScaleMode::stage_read : MoeScaleMode::routed;
 }
 
+const char* to_string(MoeKernel k) { return k == MoeKernel::decode ? "decode" : "tiled"; }
+
+MoeKernel BoundMoe::kernel_for(std::uint32_t tokens) const {
+  return decode_ok_ && tokens <= options_.decode_max_tokens ? MoeKernel::decode : MoeKernel::tiled;
+}
+
 std::uint32_t BoundMoe::invalid_id_count() const {
   DeviceGuard guard(weights_->source().device);
   int header[2] = {0, 0};
@@ -234,6 +241,18 @@ BoundMoe bind(const MoeWeights& w, cudaStream_t stream, std::uint32_t max_tokens
                     p.constraints.stage_read_max_tokens, max_tokens));
   }
   BoundMoe b;
+  const MoeLayerGeometry& g = p.geometry;
+  if (options.decode_max_tokens > 0 && moe_detail::decode_shape_ok(g.hidden, g.intermediate)) {
+    int optin = 0;
+    cuda_check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, w.source().device),
+               "bind: shared memory per block");
+    const std::uint32_t need = std::max(moe_detail::decode_smem_bytes(p.format, g.hidden),
+                                        moe_detail::decode_smem_bytes(p.format, g.intermediate));
+    if (need <= std::uint32_t(optin)) {
+      moe_detail::configure_decode_kernels(std::uint32_t(optin));
+      b.decode_ok_ = true;
+    }
+  }
   b.weights_ = &w;
   b.stream_ = stream;
   b.max_tokens_ = max_tokens;
@@ -328,7 +347,10 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   gp.gate_row0 = g.order == GateUpOrder::w13 ? 0 : g.intermediate;
   gp.up_row0 = g.order == GateUpOrder::w13 ? g.intermediate : 0;
   gp.act = act;
-  moe_detail::launch_gate_up(p.format, gp, b.stream_);
+  const moe_detail::GemmPath path = b.kernel_for(tokens) == MoeKernel::tiled ? moe_detail::GemmPath::tiled
+                                    : tokens <= 8                            ? moe_detail::GemmPath::decode_8
+                                                  : moe_detail::GemmPath::decode_32;
+  moe_detail::launch_gate_up(p.format, path, gp, b.stream_);
 
   moe_detail::GemmParams dp = gp;
   dp.a = act;
@@ -339,7 +361,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   dp.global = w.source().w2_global;
   dp.act = nullptr;
   dp.slot_out = slot_out;
-  moe_detail::launch_down(p.format, dp, b.stream_);
+  moe_detail::launch_down(p.format, path, dp, b.stream_);
 
   moe_detail::CombineParams cp;
   cp.slot_out = slot_out;

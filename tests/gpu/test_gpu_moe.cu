@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -81,8 +83,10 @@ struct Layer {
   std::unique_ptr<MoeWeights> native, csf;
 
   Layer(ScaleFormat f, const MoeLayerGeometry& g, std::uint64_t seed, std::uint32_t max_tokens = 4096,
-        ScaleLayout layout = ScaleLayout::row_major) {
+        ScaleLayout layout = ScaleLayout::row_major,
+        const std::function<void(MoeHostWeights&)>& mutate = nullptr) {
     host = synthetic_moe_weights(f, g, seed);
+    if (mutate) mutate(host);
     w13 = Buf::of(host.w13);
     w2 = Buf::of(host.w2);
     MoeConstraints c;
@@ -203,13 +207,23 @@ struct Call {
 };
 
 // Runs one call in `mode` with poisoned output; returns the bf16 output.
-std::vector<std::uint16_t> run_mode(const Layer& l, MoeScaleMode mode, const Inputs& in, Call& call,
-                                    cudaStream_t s = nullptr) {
-  const MoeWeights& w = l.weights_for(mode);
+// The decode kernel needs H and N to be multiples of 128; others run tiled.
+bool decode_fits(const MoeLayerGeometry& g) { return g.hidden % 128 == 0 && g.intermediate % 128 == 0; }
+
+MoeBindOptions options_for(MoeScaleMode mode, MoeKernel kernel) {
   MoeBindOptions opt;
   opt.force_mode = mode;
-  const BoundMoe b = bind(w, s, call.max_tokens, call.workspace(), mode == MoeScaleMode::expanded, opt);
+  opt.decode_max_tokens = kernel == MoeKernel::decode ? 0xFFFFFFFFu : 0u;
+  return opt;
+}
+
+std::vector<std::uint16_t> run_mode(const Layer& l, MoeScaleMode mode, const Inputs& in, Call& call,
+                                    cudaStream_t s = nullptr, MoeKernel kernel = MoeKernel::decode) {
+  const MoeWeights& w = l.weights_for(mode);
+  const BoundMoe b = bind(w, s, call.max_tokens, call.workspace(), mode == MoeScaleMode::expanded,
+                          options_for(mode, kernel));
   EXPECT_EQ(b.mode_for(in.tokens), mode);
+  EXPECT_EQ(b.kernel_for(in.tokens), decode_fits(l.host.geometry) ? kernel : MoeKernel::tiled);
   if (mode == MoeScaleMode::expanded) {
     // Clear the scratch first so a mode that skipped expansion would fail.
     check(cudaMemsetAsync(l.scratch13.p, 0xFF, l.scratch13.n, s), "scratch poison");
@@ -228,26 +242,36 @@ std::vector<std::uint16_t> run_mode(const Layer& l, MoeScaleMode mode, const Inp
 constexpr MoeScaleMode kModes[] = {MoeScaleMode::native, MoeScaleMode::expanded, MoeScaleMode::routed,
                                    MoeScaleMode::stage_read};
 
-// All modes against the reference and bitwise against each other.
+// All modes of both kernels against the reference, and bitwise against each
+// other within a kernel.
 void check_all_modes(const Layer& l, const Inputs& in, Call& call, const std::string& what) {
   const std::vector<float> ref = reference(l, in);
-  std::vector<std::uint16_t> first;
-  for (MoeScaleMode m : kModes) {
-    SCOPED_TRACE(what + " mode " + std::string(to_string(m)));
-    if (m == MoeScaleMode::routed) {
-      // Routed expansion only touches routed experts: poison the rest.
-      check(cudaMemset(l.scratch13.p, 0xFF, l.scratch13.n), "scratch poison");
-      check(cudaMemset(l.scratch2.p, 0xFF, l.scratch2.n), "scratch poison");
+  for (MoeKernel kernel : {MoeKernel::decode, MoeKernel::tiled}) {
+    if (kernel == MoeKernel::decode && !decode_fits(l.host.geometry)) continue;
+    std::vector<std::uint16_t> first;
+    for (MoeScaleMode m : kModes) {
+      SCOPED_TRACE(what + " kernel " + to_string(kernel) + " mode " + std::string(to_string(m)));
+      if (m == MoeScaleMode::routed) {
+        // Routed expansion only touches routed experts: poison the rest.
+        check(cudaMemset(l.scratch13.p, 0xFF, l.scratch13.n), "scratch poison");
+        check(cudaMemset(l.scratch2.p, 0xFF, l.scratch2.n), "scratch poison");
+      }
+      const auto out = run_mode(l, m, in, call, nullptr, kernel);
+      const auto f = to_float(out);
+      const double err = relative_error(f, ref);
+      EXPECT_LT(err, 1e-2) << "relative error " << err;
+      if (first.empty())
+        first = out;
+      else
+        EXPECT_TRUE(out == first) << "differs bitwise from native";
     }
-    const auto out = run_mode(l, m, in, call);
-    const auto f = to_float(out);
-    const double err = relative_error(f, ref);
-    EXPECT_LT(err, 1e-2) << "relative error " << err;
-    if (first.empty())
-      first = out;
-    else
-      EXPECT_TRUE(out == first) << "differs bitwise from native";
   }
+}
+
+// Under compute-sanitizer (CSFMOE_GPU_TEST_SMALL=1) the largest calls take minutes.
+bool small_run() {
+  const char* v = std::getenv("CSFMOE_GPU_TEST_SMALL");
+  return v != nullptr && *v != '\0' && *v != '0';
 }
 
 class GpuMoe : public ::testing::Test {
@@ -263,7 +287,10 @@ TEST_F(GpuMoe, EveryModeMatchesReferenceAcrossTokenCountsAndTopk) {
       const MoeLayerGeometry g{16, 256, 128, k, GateUpOrder::w13};
       Layer l(f, g, seed + k);
       Call call(l.plan_csf, 4096);
-      for (std::uint32_t T : {1u, 2u, 7u, 16u, 64u, 257u, 1024u, 4096u}) {
+      const std::vector<std::uint32_t> sizes =
+          small_run() ? std::vector<std::uint32_t>{1, 9, 64, 257}
+                      : std::vector<std::uint32_t>{1, 2, 7, 9, 16, 64, 257, 1024, 4096};
+      for (std::uint32_t T : sizes) {
         const Inputs in = random_inputs(rng, T, g);
         check_all_modes(l, in, call,
                         std::string(to_string(f)) + " k=" + std::to_string(k) + " T=" + std::to_string(T));
@@ -288,42 +315,94 @@ TEST_F(GpuMoe, SwizzledNativeScalesW31AndInt32Ids) {
 TEST_F(GpuMoe, AllTokensToOneExpertAndDuplicateIds) {
   CSFMOE_SEEDED(seed);
   std::mt19937_64 rng(seed);
-  const MoeLayerGeometry g{8, 128, 64, 2, GateUpOrder::w13};
-  Layer l(ScaleFormat::nvfp4, g, seed, 1024);
-  Call call(l.plan_csf, 1024);
-  for (std::uint32_t T : {1u, 300u, 1024u}) {
-    Inputs in = random_inputs(rng, T, g);
-    const std::int64_t e = std::int64_t(rng() % g.experts);
-    for (auto& id : in.ids) id = e;  // both slots of every token: duplicates, one expert
-    check_all_modes(l, in, call, "one expert T=" + std::to_string(T));
+  // The second geometry runs the decode kernel too: a hot expert makes it
+  // repeat its weight stream for each pass of 8 (T <= 8) or 32 tokens.
+  for (const MoeLayerGeometry g : {MoeLayerGeometry{8, 128, 64, 2, GateUpOrder::w13},
+                                   MoeLayerGeometry{8, 256, 128, 8, GateUpOrder::w31}}) {
+    Layer l(ScaleFormat::nvfp4, g, seed, 1024);
+    Call call(l.plan_csf, 1024);
+    for (std::uint32_t T : {1u, 5u, 8u, 33u, 300u, 1024u}) {
+      Inputs in = random_inputs(rng, T, g);
+      const std::int64_t e = std::int64_t(rng() % g.experts);
+      for (auto& id : in.ids) id = e;  // every slot of every token: duplicates, one expert
+      check_all_modes(l, in, call, "one expert T=" + std::to_string(T) + " k=" + std::to_string(g.topk));
+    }
   }
+}
+
+// Every E2M1 code (the +-0.5 subnormal among them), scales across the E4M3
+// range (subnormals included) and E8M0 exponents far from 1, K of several
+// decode K blocks per warp, MXFP4 and NVFP4.
+TEST_F(GpuMoe, DecodeKernelOnAdversarialCodesAndScales) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  for (ScaleFormat f : {ScaleFormat::nvfp4, ScaleFormat::mxfp4}) {
+    const MoeLayerGeometry g{6, 2048, 384, 4, GateUpOrder::w13};
+    const auto mutate = [&](MoeHostWeights& w) {
+      for (auto* v : {&w.w13, &w.w2})
+        for (auto& b : *v) b = std::uint8_t(rng());
+      for (auto* v : {&w.w13_scales, &w.w2_scales})
+        for (auto& b : *v) {
+          if (f == ScaleFormat::nvfp4)
+            b = std::uint8_t(rng() % 0x7F);  // every finite positive E4M3 code, 0 and subnormals too
+          else
+            b = std::uint8_t(112 + rng() % 24);  // 2^-15 .. 2^8
+        }
+    };
+    Layer l(f, g, seed, 64, ScaleLayout::row_major, mutate);
+    Call call(l.plan_csf, 64);
+    for (std::uint32_t T : {1u, 3u, 12u, 64u})
+      check_all_modes(l, random_inputs(rng, T, g), call,
+                      std::string(to_string(f)) + " T=" + std::to_string(T));
+  }
+}
+
+TEST_F(GpuMoe, DecodeAndTiledKernelsChosenByTokenCount) {
+  CSFMOE_SEEDED(seed);
+  const MoeLayerGeometry g{8, 256, 128, 2, GateUpOrder::w13};
+  Layer l(ScaleFormat::nvfp4, g, seed, 512);
+  Call call(l.plan_csf, 512);
+  MoeBindOptions opt;
+  opt.decode_max_tokens = 100;
+  const BoundMoe b = bind(*l.csf, nullptr, 512, call.workspace(), false, opt);
+  EXPECT_EQ(b.kernel_for(1), MoeKernel::decode);
+  EXPECT_EQ(b.kernel_for(100), MoeKernel::decode);
+  EXPECT_EQ(b.kernel_for(101), MoeKernel::tiled);
+  opt.decode_max_tokens = 0;
+  EXPECT_EQ(bind(*l.csf, nullptr, 512, call.workspace(), false, opt).kernel_for(1), MoeKernel::tiled);
+  // H = 320 is not a multiple of 128: always tiled.
+  const MoeLayerGeometry odd{4, 320, 128, 2, GateUpOrder::w13};
+  Layer lo(ScaleFormat::nvfp4, odd, seed, 64);
+  Call co(lo.plan_csf, 64);
+  EXPECT_EQ(bind(*lo.csf, nullptr, 64, co.workspace(), false).kernel_for(1), MoeKernel::tiled);
 }
 
 TEST_F(GpuMoe, InvalidIdsContributeNothingAndAreCounted) {
   CSFMOE_SEEDED(seed);
   std::mt19937_64 rng(seed);
-  const MoeLayerGeometry g{8, 128, 64, 2, GateUpOrder::w13};
+  const MoeLayerGeometry g{8, 256, 128, 2, GateUpOrder::w13};
   Layer l(ScaleFormat::mxfp4, g, seed, 64);
   Call call(l.plan_csf, 64);
-  Inputs in = random_inputs(rng, 40, g);
-  in.ids[3] = -1;
-  in.ids[10] = 8;
-  in.ids[11] = 1000;
-  Inputs valid = in;
-  for (int i : {3, 10, 11}) {
-    valid.ids[i] = 0;
-    valid.weights[i] = 0.0f;
-  }
-  const std::vector<float> ref = reference(l, valid);
-  for (MoeScaleMode m : kModes) {
-    SCOPED_TRACE(std::string(to_string(m)));
-    const auto out = to_float(run_mode(l, m, in, call));
-    EXPECT_LT(relative_error(out, ref), 1e-2);
-    MoeBindOptions opt;
-    opt.force_mode = m;
-    const BoundMoe b =
-        bind(l.weights_for(m), nullptr, 64, call.workspace(), m == MoeScaleMode::expanded, opt);
-    EXPECT_EQ(b.invalid_id_count(), 3u);
+  for (std::uint32_t T : {3u, 40u}) {
+    Inputs in = random_inputs(rng, T, g);
+    in.ids[1] = -1;
+    in.ids[4] = 8;
+    in.ids[5] = 1000;
+    Inputs valid = in;
+    for (int i : {1, 4, 5}) {
+      valid.ids[i] = 0;
+      valid.weights[i] = 0.0f;
+    }
+    const std::vector<float> ref = reference(l, valid);
+    for (MoeKernel kernel : {MoeKernel::decode, MoeKernel::tiled})
+      for (MoeScaleMode m : kModes) {
+        SCOPED_TRACE("T=" + std::to_string(T) + " " + to_string(kernel) + " " + std::string(to_string(m)));
+        const auto out = to_float(run_mode(l, m, in, call, nullptr, kernel));
+        EXPECT_LT(relative_error(out, ref), 1e-2);
+        const BoundMoe b = bind(l.weights_for(m), nullptr, 64, call.workspace(), m == MoeScaleMode::expanded,
+                                options_for(m, kernel));
+        EXPECT_EQ(b.invalid_id_count(), 3u);
+      }
   }
 }
 

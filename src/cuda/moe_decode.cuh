@@ -1,0 +1,377 @@
+// Grouped W4A16 GEMM for small calls (decode): weight streaming at HBM speed.
+//
+// At decode sizes an expert sees a handful of tokens, so the layer is a
+// stream of FP4 weight bytes. The kernel is built around keeping that stream
+// full and cheap to consume:
+//
+//  * Operand swap. Weight rows are the MMA's M side (mma.sync m16n8k16, bf16
+//    in, f32 accumulate) and up to 8 tokens its N side, so one token wastes
+//    nothing but the N padding of a single instruction.
+//  * K permutation. A dot product does not care in which order K is summed,
+//    so lane t of a quad owns 32 *consecutive* K of each of its rows per
+//    128-wide K block (one 16-byte load per row) and feeds them to the eight
+//    k16 steps of that block in an order chosen to make dequantization cheap.
+//    The activations (N operand) are read in the same order, so the product
+//    is unchanged. No shuffles, no weight pre-layout: the checkpoint's packed
+//    rows are read as they are.
+//  * Private cp.async rings. Each lane copies its own 16-byte chunks into a
+//    per-warp shared-memory ring kStages deep and reads back only what it
+//    copied itself, so no barrier is needed in the main loop and kStages
+//    K blocks per warp are always in flight.
+//  * E2M1 -> BF16 with bit operations. Nibble j and j+4 of a 32-bit word sit
+//    at the same offset of the two 16-bit halves, so one shift/mask sequence
+//    makes a bf16 pair. Placing the 3 magnitude bits at bf16 bits 8..6 gives
+//    value * 2^-126 exactly (E2M1's subnormal maps onto bf16's), which one
+//    packed multiply by the block scale (pre-multiplied by 2^118 for NVFP4)
+//    brings back to value * scale * 2^-8; the epilogue multiplies by 2^8.
+//    Every product is exact in bf16, as in the tiled kernel. MXFP4 scales
+//    span 2^-127..2^127, too wide for one folded factor: it multiplies by
+//    2^126 first, then by the scale (still exact, same rounding as the tiled kernel).
+//  * Scales staged once per block. All block-scale bytes of the block's rows
+//    (the whole K) are converted to bf16 into shared memory before the main
+//    loop, by the ScaleKind policy: dense, swizzled, or CSF base + offset
+//    with exceptions patched. Only this prologue differs between scale
+//    modes, so all modes produce identical bits; the weight ring is already
+//    filling while it runs.
+//  * K split across warps. The W warps of a block share its 32 weight rows
+//    and take K blocks warp, warp + W, ...; partial sums meet in shared memory
+//    in a fixed order (deterministic) before the epilogue (SiLU(gate) * up or
+//    the per-slot down rows).
+//
+// A block serves one routing tile (kTileM sorted rows of one expert) and 32
+// weight rows: 16 gate + 16 up rows (16 outputs) for gate/up, 32 output rows
+// for down. Tokens run in passes of 8 * NT; a tile with more valid rows than
+// that (a hot expert) repeats the weight stream per pass.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/moe_kernels.cuh"
+#include "cuda/moe_scale_read.cuh"
+
+namespace csfmoe::moe_detail {
+
+constexpr int kDecodeMaxWarps = 8;
+constexpr int kDecodeRows = 32;          // weight rows per block: 2 MMA row tiles of 16
+constexpr int kDecodeStages = 4;         // cp.async ring depth per warp (K blocks in flight)
+constexpr int kDecodeKBlock = 128;       // K per lane quad and step: 4 lanes x 32 values
+constexpr int kDecodeChunksPerLane = 4;  // 16-byte chunks per lane and K block (4 rows)
+
+// Host and device agree on the dynamic shared memory layout through these.
+struct DecodeSmem {
+  std::uint32_t warps = 0, stages = 0, nt = 0;
+  std::uint32_t scale_pitch_words = 0;  // bf16 scale row pitch in 32-bit words
+  std::uint32_t ring_bytes = 0;         // per-warp rings, later the partial sums
+  std::uint32_t scale_bytes = 0;
+  std::uint32_t total = 0;
+};
+
+// Shape of a decode launch over K (the projection's reduction size).
+CSFMOE_HD DecodeSmem decode_smem(std::uint32_t k, std::uint32_t group, std::uint32_t nt) {
+  DecodeSmem s;
+  const std::uint32_t kblocks = k / kDecodeKBlock;
+  // About 4 K blocks per warp: long rows get 8 warps, short ones smaller
+  // blocks (more of them per SM, so block start-up latencies overlap).
+  const std::uint32_t want = (kblocks + 3) / 4;
+  s.warps = want < 1 ? 1 : (want > kDecodeMaxWarps ? kDecodeMaxWarps : want);
+  const std::uint32_t per_warp = (kblocks + s.warps - 1) / s.warps;
+  s.stages = per_warp < kDecodeStages ? per_warp : kDecodeStages;
+  s.nt = nt;
+  // Pitch = 4 (mod 32) words: the 8 rows x 4 lanes of a quad-row read hit 32 banks.
+  const std::uint32_t words = (k / group) / 2;
+  s.scale_pitch_words = (words + 31) / 32 * 32 + 4;
+  const std::uint32_t ring = s.warps * s.stages * kDecodeChunksPerLane * 32 * 16;
+  const std::uint32_t partial = s.warps * kDecodeRows * 8 * nt * 4;
+  s.ring_bytes = ring > partial ? ring : partial;
+  s.scale_bytes = kDecodeRows * s.scale_pitch_words * 4;
+  s.total = s.ring_bytes + s.scale_bytes + kTileM * 4;
+  return s;
+}
+
+namespace decode {
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
+                                         std::uint32_t a3, std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32_t b) {
+  __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&a);
+  const __nv_bfloat162 y = *reinterpret_cast<__nv_bfloat162*>(&b);
+  x = __hmul2(x, y);
+  return *reinterpret_cast<std::uint32_t*>(&x);
+}
+
+// bf16 pair (value * 2^-126) of nibbles J and J + 4 of q (low half = nibble J).
+template <int J>
+__device__ __forceinline__ std::uint32_t e2m1_pair(std::uint32_t q) {
+  constexpr int kSign = 12 - 4 * J;  // nibble sign bit 4J+3 -> bf16 bit 15
+  constexpr int kMag = 6 - 4 * J;    // magnitude bits 4J..4J+2 -> bf16 bits 6..8
+  const std::uint32_t sign = (kSign >= 0 ? q << kSign : q >> -kSign) & 0x80008000u;
+  const std::uint32_t mag = (kMag >= 0 ? q << kMag : q >> -kMag) & 0x01C001C0u;
+  return sign | mag;
+}
+
+// bf16 of a block-scale byte with the kernel's fixed factor (2^118 for NVFP4).
+template <ScaleFormat F>
+__device__ __forceinline__ std::uint16_t scale_bf16(std::uint8_t b) {
+  float v = scale_to_float<F>(b);
+  if constexpr (F == ScaleFormat::nvfp4) v *= 0x1p118f;
+  const __nv_bfloat16 h = __float2bfloat16_rn(v);
+  return *reinterpret_cast<const std::uint16_t*>(&h);
+}
+
+// Epilogue factor undoing the NVFP4 folding (2^-126 from the nibbles times 2^118).
+template <ScaleFormat F>
+constexpr float kDecodeUnfold = F == ScaleFormat::nvfp4 ? 256.0f : 1.0f;
+
+}  // namespace decode
+
+template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
+__global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(GemmParams p) {
+  using namespace decode;
+  constexpr int kG = int(group_size(F));
+  constexpr int kScaleCols = kDecodeKBlock / kG;  // scale columns per K block: 8 or 4
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int tile = blockIdx.x;
+  if (tile >= p.header[0]) return;
+  const DecodeSmem lay = decode_smem(p.k, kG, NT);
+  const int warps = int(lay.warps);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  auto* ring = reinterpret_cast<uint4*>(smem);                         // [warp][stage][chunk][lane]
+  auto* partial = reinterpret_cast<float*>(smem);                      // [warp][row][token], after the loop
+  auto* sc = reinterpret_cast<std::uint32_t*>(smem + lay.ring_bytes);  // bf16 [row][col], pitch in words
+  auto* arow = reinterpret_cast<int*>(smem + lay.ring_bytes + lay.scale_bytes);  // [kTileM]
+
+  const int e = p.tile_expert[tile];
+  const std::uint32_t row0 = std::uint32_t(tile) * kTileM;
+  constexpr int kOutPerBlock = GateUp ? kDecodeRows / 2 : kDecodeRows;
+  const std::uint32_t n0 = blockIdx.y * kOutPerBlock;
+  // Weight row of block row r (gate/up: rows 0..15 gate, 16..31 up).
+  const auto wrow = [&](int r) -> std::uint32_t {
+    if constexpr (GateUp)
+      return r < kOutPerBlock ? p.gate_row0 + n0 + r : p.up_row0 + n0 + (r - kOutPerBlock);
+    else
+      return n0 + r;
+  };
+  const std::uint32_t kblocks = p.k / kDecodeKBlock;
+  const int my_blocks = warp < int(kblocks) ? (int(kblocks) - 1 - warp) / warps + 1 : 0;
+  const std::uint64_t row_bytes = p.k / 2;
+  const std::uint8_t* w_e = p.w + std::uint64_t(e) * p.out_rows * row_bytes;
+  // Lane chunk c = 2i + h holds row 16i + g + 8h.
+  const std::uint8_t* src[kDecodeChunksPerLane];
+#pragma unroll
+  for (int c = 0; c < kDecodeChunksPerLane; ++c)
+    src[c] = w_e + std::uint64_t(wrow(16 * (c / 2) + g + 8 * (c % 2))) * row_bytes + t * 16;
+  uint4* my_ring = ring + std::size_t(warp) * lay.stages * kDecodeChunksPerLane * 32 + lane;
+  const auto issue = [&](int i) {
+    if (i < my_blocks) {
+      const std::uint32_t kb = warp + std::uint32_t(i) * warps;
+      uint4* dst = my_ring + (i % int(lay.stages)) * kDecodeChunksPerLane * 32;
+#pragma unroll
+      for (int c = 0; c < kDecodeChunksPerLane; ++c) cp_async16(dst + c * 32, src[c] + kb * 64);
+    }
+    cp_async_commit();  // empty groups keep the wait counts uniform
+  };
+
+  // Valid rows of the tile are a prefix (routing pads the tail with -1).
+  int slot = -1;
+  if (tid < kTileM) {
+    slot = p.sorted_slot[row0 + tid];
+    arow[tid] = slot < 0 ? -1 : (GateUp ? slot / int(p.topk) : int(row0) + tid);
+  }
+  const int valid = __syncthreads_count(tid < kTileM && slot >= 0);
+
+  for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
+
+  // Scale prologue: every scale column of the block's rows, as scaled bf16.
+  // Loads of a batch are issued together (latency, not bandwidth, bounds it).
+  const std::uint32_t cols = p.k / kG;
+  auto* sc16 = reinterpret_cast<std::uint16_t*>(sc);
+  {
+    constexpr int kBatch = 8;
+    const std::uint32_t quads = cols / 4, total = kDecodeRows * quads;
+    for (std::uint32_t first = tid; first < total; first += blockDim.x * kBatch) {
+      std::uint32_t v[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const std::uint32_t idx = first + j * blockDim.x;
+        if (idx < total) v[j] = scale_quad<F, K>(p.scales, e, wrow(int(idx / quads)), (idx % quads) * 4);
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const std::uint32_t idx = first + j * blockDim.x;
+        if (idx < total) {
+          const std::uint32_t r = idx / quads, c4 = (idx % quads) * 4;
+          const auto cv = [&](int byte) {
+            return std::uint32_t(scale_bf16<F>(std::uint8_t(v[j] >> (8 * byte))));
+          };
+          std::uint32_t* dst = sc + r * lay.scale_pitch_words + c4 / 2;
+          dst[0] = cv(0) | (cv(1) << 16);
+          dst[1] = cv(2) | (cv(3) << 16);
+        }
+      }
+    }
+  }
+  if constexpr (K == ScaleKind::csf) {
+    __syncthreads();
+    // Exception records of a row are (position, byte); one warp per row.
+    for (int r = warp; r < kDecodeRows; r += warps) {
+      const std::uint32_t wr = wrow(r);
+      const std::uint64_t pr = std::uint64_t(e) * p.scales.padded_rows + wr;
+      const std::uint32_t first = wr * p.scales.padded_cols;
+      const std::uint32_t end = p.scales.row_prefix[pr + 1];
+      for (std::uint32_t c = p.scales.row_prefix[pr] + lane; c < end; c += 32) {
+        const std::uint32_t rec = p.scales.exceptions[c];
+        const std::uint32_t col = (rec & 0xFFFFFFu) - first;
+        if (col < cols) sc16[r * lay.scale_pitch_words * 2 + col] = scale_bf16<F>(std::uint8_t(rec >> 24));
+      }
+    }
+  }
+  __syncthreads();
+
+  const float gs = (p.global ? p.global[e] : 1.0f) * kDecodeUnfold<F>;
+  const std::uint16_t* x_base = p.a;
+  for (int tok0 = 0; tok0 < valid; tok0 += 8 * NT) {
+    const int left = valid - tok0;
+    const int chunks = left >= 8 * NT ? NT : (left + 7) / 8;
+    // Activation row of this lane's token in each chunk (a clamped valid row
+    // for the padding columns; their results are never stored).
+    const std::uint16_t* xrow[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int m = tok0 + 8 * n + g;
+      const int src_row = arow[m < valid ? m : tok0];
+      xrow[n] = x_base + std::uint64_t(src_row) * p.k + t * 32;
+    }
+    if (tok0 > 0) {
+      __syncthreads();  // the previous pass's partial sums overlaid the rings
+      for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
+    }
+
+    float acc[2][NT][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[i][n][v] = 0.0f;
+
+    for (int i = 0; i < my_blocks; ++i) {
+      issue(i + kDecodeStages - 1);
+      cp_async_wait<kDecodeStages - 1>();
+      const uint4* stage = my_ring + (i % int(lay.stages)) * kDecodeChunksPerLane * 32;
+      uint4 wq[kDecodeChunksPerLane];
+#pragma unroll
+      for (int c = 0; c < kDecodeChunksPerLane; ++c) wq[c] = stage[c * 32];
+      const std::uint32_t kb = warp + std::uint32_t(i) * warps;
+      // Scale pairs (s, s) per chunk and half of the lane's 32 values.
+      std::uint32_t sp[kDecodeChunksPerLane][2];
+#pragma unroll
+      for (int c = 0; c < kDecodeChunksPerLane; ++c) {
+        const int r = 16 * (c / 2) + g + 8 * (c % 2);
+        if constexpr (F == ScaleFormat::nvfp4) {
+          const std::uint32_t two = sc[r * lay.scale_pitch_words + kb * (kScaleCols / 2) + t];
+          sp[c][0] = __byte_perm(two, 0, 0x1010);
+          sp[c][1] = __byte_perm(two, 0, 0x3232);
+        } else {
+          const std::uint32_t one = sc16[r * lay.scale_pitch_words * 2 + kb * kScaleCols + t];
+          sp[c][0] = sp[c][1] = one | (one << 16);
+        }
+      }
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        // Activations k = 8w..8w+7 of the lane's 32: pairs (0,4) (1,5) | (2,6) (3,7).
+        std::uint32_t b[NT][4];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          if (n < chunks) {
+            const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xrow[n] + kb * kDecodeKBlock + 8 * w));
+            b[n][0] = __byte_perm(xv.x, xv.z, 0x5410);
+            b[n][1] = __byte_perm(xv.x, xv.z, 0x7632);
+            b[n][2] = __byte_perm(xv.y, xv.w, 0x5410);
+            b[n][3] = __byte_perm(xv.y, xv.w, 0x7632);
+          }
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const std::uint32_t qlo = (&wq[2 * mt].x)[w], qhi = (&wq[2 * mt + 1].x)[w];
+          const std::uint32_t slo = sp[2 * mt][w / 2], shi = sp[2 * mt + 1][w / 2];
+          std::uint32_t lo[4] = {e2m1_pair<0>(qlo), e2m1_pair<1>(qlo), e2m1_pair<2>(qlo), e2m1_pair<3>(qlo)};
+          std::uint32_t hi[4] = {e2m1_pair<0>(qhi), e2m1_pair<1>(qhi), e2m1_pair<2>(qhi), e2m1_pair<3>(qhi)};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            if constexpr (F == ScaleFormat::mxfp4) {
+              lo[j] = bf16x2_mul(lo[j], 0x7E807E80u);  // 2^126: exact E2M1 values
+              hi[j] = bf16x2_mul(hi[j], 0x7E807E80u);
+            }
+            lo[j] = bf16x2_mul(lo[j], slo);
+            hi[j] = bf16x2_mul(hi[j], shi);
+          }
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            if (n < chunks) {
+              mma_bf16(acc[mt][n], lo[0], hi[0], lo[1], hi[1], b[n][0], b[n][1]);
+              mma_bf16(acc[mt][n], lo[2], hi[2], lo[3], hi[3], b[n][2], b[n][3]);
+            }
+          }
+        }
+      }
+    }
+
+    // Partial sums of every warp meet in shared memory (the rings are dead).
+    cp_async_wait<0>();
+    __syncthreads();
+    const int ptok = 8 * NT;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        if (n < chunks) {
+#pragma unroll
+          for (int v = 0; v < 4; ++v) {
+            const int r = 16 * mt + g + 8 * (v / 2), m = 8 * n + 2 * t + (v % 2);
+            partial[(warp * kDecodeRows + r) * ptok + m] = acc[mt][n][v];
+          }
+        }
+      }
+    __syncthreads();
+    const int toks = left < 8 * NT ? left : 8 * NT;
+    for (int idx = tid; idx < kOutPerBlock * toks; idx += blockDim.x) {
+      const int o = idx % kOutPerBlock, m = idx / kOutPerBlock;
+      const auto sum = [&](int r) {
+        float s = 0.0f;
+        for (int w = 0; w < warps; ++w) s += partial[(w * kDecodeRows + r) * ptok + m];
+        return s * gs;
+      };
+      if constexpr (GateUp) {
+        const float gate = sum(o), up = sum(o + kOutPerBlock);
+        const float y = gate / (1.0f + expf(-gate)) * up;
+        const __nv_bfloat16 h = __float2bfloat16_rn(y);
+        p.act[std::uint64_t(row0 + tok0 + m) * p.n + n0 + o] = *reinterpret_cast<const std::uint16_t*>(&h);
+      } else {
+        const int s = p.sorted_slot[row0 + tok0 + m];
+        p.slot_out[std::uint64_t(s) * p.out_rows + n0 + o] = sum(o);
+      }
+    }
+  }
+}
+
+}  // namespace csfmoe::moe_detail
