@@ -453,13 +453,11 @@ void check_paths(const fs::path& in, const fs::path& out) {
     throw InvalidArgument(fmt::format("output folder {} does not exist", parent.string()));
 }
 
-// A folder built beside its destination and renamed onto it at the end.
+// A folder built beside its destination and renamed onto it at the end
+// (named, and stale ones from killed runs swept, by st::prepare_temporary).
 class TempDir {
  public:
-  explicit TempDir(fs::path dest) : dest_(std::move(dest)) {
-    fs::path parent = dest_.parent_path();
-    if (parent.empty()) parent = ".";
-    tmp_ = parent / fmt::format(".{}.tmp-{}", dest_.filename().string(), static_cast<long>(::getpid()));
+  explicit TempDir(fs::path dest) : dest_(std::move(dest)), tmp_(st::prepare_temporary(dest_)) {
     std::error_code ec;
     if (!fs::create_directory(tmp_, ec) || ec)
       throw IoError(fmt::format("{}: cannot create temporary folder: {}", tmp_.string(),

@@ -1,8 +1,10 @@
 // safetensors reader (validating, mmap) and streaming writer.
 #include "csfmoe/safetensors.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -12,6 +14,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <unordered_set>
 
@@ -278,12 +281,117 @@ std::span<const std::uint8_t> File::data_section() const { return map_.bytes().s
 // ---------------------------------------------------------------------------
 namespace {
 constexpr std::size_t kWriteBuffer = std::size_t{4} << 20;
+
+// Stale temporary folders deeper than this are left as they are (each level holds a descriptor).
+constexpr int kMaxSweepDepth = 64;
+
+// The pid written as `digits` by prepare_temporary (no sign, no leading zero,
+// in range), else 0: anything else is not a name this code made.
+pid_t parse_pid(std::string_view digits) {
+  if (digits.empty() || digits.size() > 10 || digits[0] == '0') return 0;
+  std::uint64_t v = 0;
+  for (const char c : digits) {
+    if (c < '0' || c > '9') return 0;
+    v = v * 10 + static_cast<std::uint64_t>(c - '0');
+  }
+  return v <= static_cast<std::uint64_t>(std::numeric_limits<pid_t>::max()) ? static_cast<pid_t>(v) : 0;
+}
+
+bool remove_folder_at(int dirfd, const char* name, dev_t dev, int depth);
+
+// Removes everything inside the folder open as `fd` (closed here) through
+// descriptors, so a path swapped for a symlink mid-way is never followed;
+// symlinks are unlinked, other filesystems (mount points) not entered.
+bool empty_folder(int fd, dev_t dev, int depth) {
+  DIR* d = ::fdopendir(fd);
+  if (!d) {
+    ::close(fd);
+    return false;
+  }
+  bool ok = true;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string_view n = e->d_name;
+    if (n == "." || n == "..") continue;
+    struct stat s {};
+    if (::fstatat(fd, e->d_name, &s, AT_SYMLINK_NOFOLLOW) != 0)
+      ok = false;
+    else if (S_ISDIR(s.st_mode))
+      ok = remove_folder_at(fd, e->d_name, dev, depth - 1) && ok;
+    else
+      ok = ::unlinkat(fd, e->d_name, 0) == 0 && ok;
+  }
+  ::closedir(d);
+  return ok;
+}
+
+// Empties and removes the folder `name` in `dirfd` unless it is a symlink,
+// lies on another filesystem than `dev`, or nests deeper than `depth`.
+bool remove_folder_at(int dirfd, const char* name, dev_t dev, int depth) {
+  if (depth < 0) return false;
+  const int fd = ::openat(dirfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return false;
+  struct stat s {};
+  if (::fstat(fd, &s) != 0 || s.st_dev != dev) {
+    ::close(fd);
+    return false;
+  }
+  return empty_folder(fd, dev, depth) && ::unlinkat(dirfd, name, AT_REMOVEDIR) == 0;
+}
+
+constexpr std::string_view kStale = ".stale";
+
+// Removes `name` in the folder `dirfd` if it is a regular file or a folder. A
+// folder is first renamed out of the temporary's name, so that a writer that
+// is alive after all (another pid namespace) fails instead of committing it
+// half emptied.
+void remove_stale(int dirfd, const std::string& name) {
+  struct stat s {};
+  struct stat parent {};
+  if (::fstatat(dirfd, name.c_str(), &s, AT_SYMLINK_NOFOLLOW) != 0 || ::fstat(dirfd, &parent) != 0) return;
+  if (S_ISREG(s.st_mode)) {
+    ::unlinkat(dirfd, name.c_str(), 0);
+    return;
+  }
+  // A symlink, FIFO, socket or device: no writer made it. A mount point: not ours to empty.
+  if (!S_ISDIR(s.st_mode) || s.st_dev != parent.st_dev) return;
+  std::string victim = name;
+  if (!victim.ends_with(kStale)) {
+    victim += kStale;
+    if (::renameat2(dirfd, name.c_str(), dirfd, victim.c_str(), RENAME_NOREPLACE) != 0) return;
+  }
+  remove_folder_at(dirfd, victim.c_str(), s.st_dev, kMaxSweepDepth);
+}
+}  // namespace
+
+fs::path prepare_temporary(const fs::path& dest) {
+  fs::path dir = dest.parent_path();
+  if (dir.empty()) dir = ".";
+  const std::string name = dest.filename().string();
+  const pid_t self = ::getpid();
+  // Best effort: if the folder cannot be read, the writer's own create reports why.
+  if (const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); fd >= 0) {
+    const std::string prefix = "." + name + ".tmp-";
+    std::vector<std::string> stale;
+    if (DIR* d = ::fdopendir(::dup(fd))) {
+      while (const dirent* e = ::readdir(d)) {
+        std::string_view n = e->d_name;
+        if (!n.starts_with(prefix)) continue;
+        n.remove_prefix(prefix.size());
+        if (n.ends_with(kStale)) n.remove_suffix(kStale.size());
+        const pid_t pid = parse_pid(n);
+        // Only ESRCH means gone; EPERM is a live process of another user.
+        if (pid > 0 && pid != self && ::kill(pid, 0) != 0 && errno == ESRCH) stale.emplace_back(e->d_name);
+      }
+      ::closedir(d);
+    }
+    for (const auto& n : stale) remove_stale(fd, n);
+    ::close(fd);
+  }
+  return dir / fmt::format(".{}.tmp-{}", name, static_cast<long>(self));
 }
 
 AtomicFile::AtomicFile(fs::path dest) : dest_(std::move(dest)) {
-  fs::path dir = dest_.parent_path();
-  if (dir.empty()) dir = ".";
-  tmp_ = dir / fmt::format(".{}.tmp-{}", dest_.filename().string(), static_cast<long>(::getpid()));
+  tmp_ = prepare_temporary(dest_);
   fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd_ < 0)
     throw IoError(fmt::format("{}: cannot create temporary file: {}", tmp_.string(), errno_text()));

@@ -1,7 +1,10 @@
 // Crash safety of `csf compress` / `csf decompress` (the real binary,
 // CSFMOE_CSF_BINARY): a run killed with SIGKILL part-way leaves the source
-// untouched and no output (only its own temporary, which a re-run ignores);
-// the re-run succeeds and restores byte for byte. The tool refuses to
+// untouched and no output (only its own temporary, which the re-run
+// removes); the re-run succeeds and restores byte for byte. Stale
+// temporaries of dead pids are swept by the next writer of the same name
+// (CLI and library), those of live pids, symlinks and other names are left
+// exactly as they were, and no symlink is followed. The tool refuses to
 // overwrite its input or an existing output, and a full disk (RLIMIT_FSIZE,
 // and a small tmpfs where mounting is allowed) ends in a clear error naming
 // the output, a non-zero exit and nothing left behind.
@@ -10,6 +13,7 @@
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -18,6 +22,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <optional>
 #include <random>
 #include <set>
@@ -38,6 +43,7 @@ namespace {
 
 using csfmoe::testing::read_bytes;
 using csfmoe::testing::TempDir;
+using csfmoe::testing::write_bytes;
 
 // CRC32 of every regular file under p (or of p itself), keyed by relative name.
 std::map<std::string, std::uint32_t> tree_hash(const fs::path& p) {
@@ -127,9 +133,11 @@ RunResult run_csf(const std::vector<std::string>& args, const fs::path& err_file
   return r;
 }
 
-bool has_temp_of(const fs::path& dir, const std::string& out_name) {
+// Whether `dir` holds a temporary of `out_name` (of that pid only, if given).
+bool has_temp_of(const fs::path& dir, const std::string& out_name, std::optional<pid_t> pid = {}) {
+  const std::string prefix = "." + out_name + ".tmp-" + (pid ? std::to_string(*pid) : "");
   for (const auto& n : entries(dir))
-    if (n.rfind("." + out_name + ".tmp-", 0) == 0) return true;
+    if (n.rfind(prefix, 0) == 0 && (!pid || n.size() == prefix.size())) return true;
   return false;
 }
 
@@ -147,7 +155,8 @@ bool kill_part_way(const std::string& verb, const fs::path& in, const fs::path& 
     int status = 0;
     if (::waitpid(pid, &status, WNOHANG) == pid) return false;
     const auto now = std::chrono::steady_clock::now();
-    if (!armed && has_temp_of(dir, out.filename().string())) {
+    // Its own temporary: a previous attempt's may still be there until this run sweeps it.
+    if (!armed && has_temp_of(dir, out.filename().string(), pid)) {
       armed = true;
       fire = now + std::chrono::microseconds(rng() % 20000);
     }
@@ -178,7 +187,7 @@ void kill_and_rerun(const std::string& verb, const fs::path& in, const fs::path&
     ++landed;
     EXPECT_EQ(tree_hash(in), before) << "source changed by a killed " << verb;
     EXPECT_FALSE(fs::exists(out)) << "a killed " << verb << " left a (partial) output";
-    // Anything new must be the killed run's temporary, which a re-run ignores.
+    // Anything new must be the killed run's temporary, which the re-run removes.
     for (const auto& n : entries(dir))
       if (!listing.count(n) && n != "stderr.txt")
         EXPECT_EQ(n.rfind("." + out.filename().string() + ".tmp-", 0), 0u) << "unexpected leftover " << n;
@@ -189,12 +198,139 @@ void kill_and_rerun(const std::string& verb, const fs::path& in, const fs::path&
   ASSERT_TRUE(r.exited_ok()) << r.err;
   EXPECT_EQ(tree_hash(in), before);
   EXPECT_TRUE(fs::exists(out));
+  EXPECT_FALSE(has_temp_of(dir, out.filename().string())) << "the re-run left a killed run's temporary";
 }
 
 void remove_temps(const fs::path& dir) {
   for (const auto& n : entries(dir))
     if (n.find(".tmp-") != std::string::npos) fs::remove_all(dir / n);
 }
+
+// A pid with no process: a child that exited and was reaped.
+pid_t dead_pid() {
+  for (;;) {
+    const pid_t pid = ::fork();
+    if (pid == 0) ::_exit(0);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    if (::kill(pid, 0) != 0 && errno == ESRCH) return pid;
+  }
+}
+
+// A live process that is not the writer (a concurrent writer's stand-in).
+struct Sleeper {
+  pid_t pid = ::fork();
+  Sleeper() {
+    if (pid == 0)
+      for (;;) ::pause();
+  }
+  ~Sleeper() {
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+  }
+  Sleeper(const Sleeper&) = delete;
+  Sleeper& operator=(const Sleeper&) = delete;
+};
+
+std::string random_bytes(std::mt19937_64& rng) {
+  std::string b(rng() % 4096, '\0');
+  for (auto& c : b) c = static_cast<char>(rng());
+  return b;
+}
+
+// What an entry is, without following a symlink at it: kind plus content
+// (a folder's recursive listing and file contents, a link's target).
+std::string describe(const fs::path& p) {
+  const auto st = fs::symlink_status(p);
+  if (fs::is_symlink(st)) return "link:" + fs::read_symlink(p).string();
+  if (fs::is_regular_file(st)) return "file:" + read_bytes(p);
+  if (fs::is_directory(st)) {
+    std::string out = "dir:";
+    for (const auto& e : fs::recursive_directory_iterator(p))
+      out += fs::relative(e.path(), p).string() + "=" + describe(e.path()) + ";";
+    return out;
+  }
+  return fs::exists(st) ? "other" : "missing";
+}
+
+// Leftovers planted beside output `out_name` in `dir`: temporaries of dead
+// pids that the next writer must remove (a killed file writer's, a killed
+// folder writer's holding symlinks out of it, a killed sweep's `.stale`),
+// and entries it must leave exactly as they are: temporaries of live pids,
+// symlinks and a FIFO named like stale temporaries, and names that only
+// look similar. Symlinks point at `victim`, which must survive untouched.
+struct Leftovers {
+  fs::path dir, victim;
+  std::vector<std::string> removed;
+  std::map<std::string, std::string> kept;  // name -> describe() before the run
+  std::map<std::string, std::uint32_t> victim_hash;
+  std::set<std::string> listing;  // entries of dir once planted
+
+  Leftovers(const fs::path& d, const std::string& out_name, const std::vector<pid_t>& alive,
+            std::mt19937_64& rng)
+      : dir(d), victim(d / ("victim-of-" + out_name)) {
+    fs::create_directories(victim / "sub");
+    write_bytes(victim / "precious", random_bytes(rng));
+    write_bytes(victim / "sub" / "precious2", random_bytes(rng));
+    victim_hash = tree_hash(victim);
+    const std::string t = "." + out_name + ".tmp-";
+    auto name = [&](pid_t p) { return t + std::to_string(p); };
+    std::vector<pid_t> dead;
+    for (int i = 0; i < 6; ++i) dead.push_back(dead_pid());
+
+    write_bytes(dir / name(dead[0]), random_bytes(rng));
+    const fs::path folder = dir / name(dead[1]);
+    fs::create_directories(folder / "sub" / "deeper");
+    write_bytes(folder / "part.safetensors", random_bytes(rng));
+    write_bytes(folder / "sub" / "deeper" / "x", random_bytes(rng));
+    fs::create_directory_symlink(victim, folder / "to-victim");
+    fs::create_directory_symlink(victim, folder / "sub" / "deeper" / "to-victim");
+    fs::create_symlink(victim / "precious", folder / "to-precious");
+    fs::create_directories(dir / (name(dead[2]) + ".stale") / "sub");
+    write_bytes(dir / (name(dead[2]) + ".stale") / "sub" / "y", random_bytes(rng));
+    removed = {name(dead[0]), name(dead[1]), name(dead[2]) + ".stale"};
+
+    std::vector<std::string> keep;
+    for (std::size_t i = 0; i < alive.size(); ++i) {
+      const fs::path p = dir / name(alive[i]);
+      if (i % 2 == 0) {
+        write_bytes(p, random_bytes(rng));
+      } else {
+        fs::create_directories(p / "sub");
+        write_bytes(p / "sub" / "z", random_bytes(rng));
+      }
+      keep.push_back(p.filename());
+    }
+    fs::create_directory_symlink(victim, dir / name(dead[3]));
+    fs::create_symlink(victim / "precious", dir / name(dead[4]));
+    ::mkfifo((dir / name(dead[5])).c_str(), 0600);
+    keep.insert(keep.end(), {name(dead[3]), name(dead[4]), name(dead[5])});
+    const std::string d0 = std::to_string(dead[0]);
+    for (const std::string& n :
+         {"." + out_name + "x.tmp-" + d0, "." + out_name + ".tmp-" + d0 + "x", "." + out_name + ".tmp-0" + d0,
+          "." + out_name + ".tmp-+" + d0, "." + out_name + ".tmp--" + d0, "." + out_name + ".tmp-0",
+          "." + out_name + ".tmp-", "." + out_name + ".tmp-" + d0 + ".stale.x",
+          "." + out_name + ".tmp-99999999999999999999", out_name + ".tmp-" + d0,
+          ".." + out_name + ".tmp-" + d0, ".other.tmp-" + d0, "x" + t + d0}) {
+      write_bytes(dir / n, random_bytes(rng));
+      keep.push_back(n);
+    }
+    for (const auto& n : keep) kept[n] = describe(dir / n);
+    listing = entries(dir);
+  }
+
+  // After the writer ran: the stale ones are gone (not merely renamed),
+  // everything else intact, nothing new but `allowed`.
+  void check(const std::set<std::string>& allowed) const {
+    for (const auto& n : removed)
+      EXPECT_FALSE(fs::exists(fs::symlink_status(dir / n))) << "stale " << n << " left";
+    for (const auto& n : entries(dir))
+      if (!listing.count(n)) EXPECT_TRUE(allowed.count(n)) << "unexpected new entry " << n;
+    for (const auto& [n, before] : kept) EXPECT_EQ(describe(dir / n), before) << n << " was touched";
+    EXPECT_EQ(tree_hash(victim), victim_hash) << "a symlink was followed";
+  }
+};
 
 }  // namespace
 
@@ -226,6 +362,53 @@ TEST(CrashSafety, KilledCompressOfAFolderLeavesNoOutput) {
   const RunResult r = run_csf({"decompress", "-q", out.string(), back.string()}, d.path / "err2.txt");
   ASSERT_TRUE(r.exited_ok()) << r.err;
   EXPECT_EQ(tree_hash(back), tree_hash(in));
+}
+
+TEST(CrashSafety, NextRunSweepsStaleTemporariesOfDeadPidsOnly) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  TempDir d;
+  const Sleeper s1, s2;
+  // Live owners: two other processes and this test (the writer is the csf child).
+  const std::vector<pid_t> alive{s1.pid, ::getpid(), s2.pid};
+  auto run_with_leftovers = [&](const std::string& verb, const fs::path& in, const fs::path& out) {
+    SCOPED_TRACE(verb + " to " + out.filename().string());
+    const Leftovers left(d.path, out.filename().string(), alive, rng);
+    const RunResult r = run_csf({verb, "-q", in.string(), out.string()}, d.path / "err.txt");
+    ASSERT_TRUE(r.exited_ok()) << r.err;
+    left.check({out.filename().string(), "err.txt"});
+  };
+  const fs::path src = d.path / "model.safetensors";
+  write_checkpoint(src, seed, 2, 256);
+  const fs::path csf = d.path / "model.csf.safetensors", back = d.path / "model.back.safetensors";
+  run_with_leftovers("compress", src, csf);
+  run_with_leftovers("decompress", csf, back);
+  EXPECT_EQ(read_bytes(back), read_bytes(src)) << "restored file differs";
+
+  // A folder: the stale temporaries are folders too.
+  const fs::path in = d.path / "ckpt";
+  fs::create_directories(in);
+  for (int s = 0; s < 2; ++s)
+    write_checkpoint(in / ("model-0000" + std::to_string(s + 1) + "-of-00002.safetensors"), seed + s, 2, 128);
+  std::ofstream(in / "config.json") << R"({"model_type": "test"})";
+  const fs::path ccsf = d.path / "ckpt.csf", cback = d.path / "ckpt.back";
+  run_with_leftovers("compress", in, ccsf);
+  run_with_leftovers("decompress", ccsf, cback);
+  EXPECT_EQ(tree_hash(cback), tree_hash(in)) << "restored folder differs";
+}
+
+TEST(CrashSafety, LibraryWriterSweepsStaleTemporariesOfDeadPidsOnly) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  TempDir d, ref;
+  const fs::path out = d.path / "w.safetensors";
+  EXPECT_EQ(st::prepare_temporary(out), d.path / (".w.safetensors.tmp-" + std::to_string(::getpid())));
+  const Sleeper s1, s2;  // this process is the writer here, so its own pid is not planted
+  const Leftovers left(d.path, out.filename().string(), {s1.pid, s2.pid}, rng);
+  write_checkpoint(out, seed, 2, 128);
+  left.check({out.filename().string()});
+  write_checkpoint(ref.path / "w.safetensors", seed, 2, 128);
+  EXPECT_EQ(read_bytes(out), read_bytes(ref.path / "w.safetensors")) << "output differs from a clean write";
 }
 
 TEST(CrashSafety, RefusesToOverwriteInputOrExistingOutput) {
