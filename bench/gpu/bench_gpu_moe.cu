@@ -30,8 +30,11 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
+#include <execinfo.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -355,9 +358,20 @@ struct Row {
   double roof_us = 0;
 };
 
+// A crash names its frames on stderr (the bench runs on a remote machine).
+void on_fatal_signal(int sig) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  backtrace_symbols_fd(frames, n, STDERR_FILENO);
+  _exit(128 + sig);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  std::signal(SIGSEGV, on_fatal_signal);
+  std::signal(SIGABRT, on_fatal_signal);
   const Args args = parse(argc, argv);
   int ndev = 0;
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
@@ -405,7 +419,9 @@ int main(int argc, char** argv) {
     std::vector<std::uint32_t> tokens = args.tokens;
     if (prefill) tokens.insert(tokens.end(), args.prefill.begin(), args.prefill.end());
     const std::uint32_t max_t = *std::max_element(tokens.begin(), tokens.end());
+    std::fprintf(stderr, "bench_gpu_moe: %s: preparing the layer\n", shape.name.c_str());
     Layer layer(shape, args.format, max_t, st);
+    std::fprintf(stderr, "bench_gpu_moe: %s: layer ready\n", shape.name.c_str());
     std::unique_ptr<Bf16Peer> peer;
     if (args.peer) peer = std::make_unique<Bf16Peer>(blas, shape, max_t * shape.topk);
     const std::size_t H = shape.hidden;

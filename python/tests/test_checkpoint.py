@@ -1,14 +1,19 @@
-"""Reading CSF containers into torch tensors, and gathering a ModelOpt
-NVFP4 MoE layer into prepared experts."""
+"""Reading CSF containers into torch tensors, writing safetensors files, and
+gathering MoE layers (stacked, gpt-oss, per-expert; plain and CSF) into
+prepared experts."""
 
 import json
+import os
+import pathlib
+import shutil
 import struct
+import subprocess
 
 import pytest
 import torch
 
 import csfmoe
-from conftest import realistic_scales
+from conftest import adversarial_scales, realistic_scales
 
 
 def write_safetensors(path, tensors):
@@ -94,3 +99,347 @@ def test_corrupt_container_rejected(gen, tmp_path):
     dst.write_bytes(bytes(data))
     with pytest.raises(csfmoe.FormatError, match="row_prefix|prefix"):
         csfmoe.load_file(dst)
+
+
+# ---------------------------------------------------------------------------
+# gather_moe_layer: stacked (csf synth), gpt-oss and per-expert layouts, plain
+# and CSF-compressed, row-major and swizzled scales
+# ---------------------------------------------------------------------------
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SAMPLE = ROOT / "data" / "qwen3-30b-a3b-nvfp4-synth.safetensors"
+SAMPLE_LAYER = "model.layers.0.mlp.experts"
+F8 = torch.float8_e4m3fn
+
+
+def read_raw(path):
+    """name -> (dtype name, shape, bytes), straight from the file (no csfmoe)."""
+    data = pathlib.Path(path).read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    header.pop("__metadata__", None)
+    return {k: (v["dtype"], v["shape"], data[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]])
+            for k, v in header.items()}
+
+
+def as_bytes(x):
+    if isinstance(x, csfmoe.CsfScales):
+        x = x.decompress("row_major")
+    return x.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_gather_stacked_sample_plain_and_csf(gen, tmp_path):
+    """The committed `csf synth` file: what gather returns is what the file holds."""
+    raw = read_raw(SAMPLE)
+    r = lambda leaf: raw[f"{SAMPLE_LAYER}.{leaf}"]  # noqa: E731
+    csf_path = tmp_path / "csf.safetensors"
+    csfmoe.checkpoint.compress_checkpoint(SAMPLE, csf_path)
+    got = {}
+    for kind, path in (("plain", SAMPLE), ("csf", csf_path)):
+        L = csfmoe.checkpoint.gather_moe_layer(csfmoe.load_file(path), SAMPLE_LAYER)
+        got[kind] = L
+        assert L["format"] == "nvfp4"
+        assert L["w13"].shape == (2, 1536, 1024) and L["w2"].shape == (2, 2048, 384)
+        for key, leaf in (("w13", "w13.weight"), ("w2", "w2.weight"), ("w13_scale", "w13.weight_scale"),
+                          ("w2_scale", "w2.weight_scale"), ("w13_global", "w13.weight_scale_2"),
+                          ("w2_global", "w2.weight_scale_2"), ("w13_input_scale", "w13.input_scale"),
+                          ("w2_input_scale", "w2.input_scale")):
+            assert as_bytes(L[key]) == r(leaf)[2], (kind, key)
+        scales = (L["w13_scale"], L["w2_scale"])
+        if kind == "csf":
+            # Stacked CSF scales pass through without a decode.
+            assert all(isinstance(s, csfmoe.CsfScales) for s in scales)
+            assert scales[0].grid == (2, 1536, 128) and scales[1].grid == (2, 2048, 48)
+        else:
+            assert all(isinstance(s, torch.Tensor) and s.dtype == F8 for s in scales)
+    if csfmoe.has_moe:
+        hidden = torch.randn(2, 2048, generator=gen).to(torch.bfloat16)
+        ids = torch.randint(0, 2, (2, 2), generator=gen, dtype=torch.int32)
+        wts = torch.rand(2, 2, generator=gen)
+        a = csfmoe.prepare_experts(got["plain"], topk=2)(hidden, ids, wts)
+        b = csfmoe.prepare_experts(got["csf"], topk=2)(hidden, ids, wts)
+        assert torch.equal(a, b) and a.float().abs().sum() > 0
+
+
+def truth_layer(gen, fmt, e, h, n, adversarial):
+    """Row-major truth of one layer: packed weights, scales (the library's
+    realistic generator, or adversarial bytes), globals."""
+    g = 16 if fmt == "nvfp4" else 32
+    sdt = F8 if fmt == "nvfp4" else torch.uint8
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+    w = csfmoe._csfmoe.synthetic_moe_weights(fmt, e, h, n, 2, "w13", seed, True)
+    t = {
+        "w13": torch.randint(0, 256, (e, 2 * n, h // 2), generator=gen, dtype=torch.uint8),
+        "w2": torch.randint(0, 256, (e, h, n // 2), generator=gen, dtype=torch.uint8),
+        "w13_scale": w["w13_scale"].reshape(e, 2 * n, h // g).view(sdt),
+        "w2_scale": w["w2_scale"].reshape(e, h, n // g).view(sdt),
+    }
+    if adversarial:
+        t["w13_scale"] = adversarial_scales(gen, (e, 2 * n, h // g)).view(sdt)
+        t["w2_scale"] = adversarial_scales(gen, (e, h, n // g)).view(sdt)
+    if fmt == "nvfp4":
+        t["w13_global"] = torch.rand(e, generator=gen) * 1e-3
+        t["w2_global"] = torch.rand(e, generator=gen) * 1e-3
+    else:
+        t["w13_global"] = t["w2_global"] = torch.ones(e)
+    return t
+
+
+def in_layout(scales, fmt, layout):
+    """Native bytes of row-major `scales` [.., R, C] in `layout` (the C++ codec swizzles)."""
+    if layout == "row_major":
+        return scales
+    lead = scales.shape[:-2]
+    out = csfmoe.CsfScales.compress(scales.reshape(-1, *scales.shape[-2:]), fmt).decompress(layout)
+    return out.reshape(*lead, *out.shape[-2:])
+
+
+def layer_tensors(t, kind, fmt, layout, pre, per_names=("gate_proj", "up_proj", "down_proj")):
+    """The checkpoint tensors of truth layer `t` under the names of `kind`."""
+    e, two_n, _ = t["w13"].shape
+    n = two_n // 2
+    out = {}
+    if kind == "stacked":
+        out[f"{pre}.w13.weight"], out[f"{pre}.w2.weight"] = t["w13"], t["w2"]
+        out[f"{pre}.w13.weight_scale"] = in_layout(t["w13_scale"], fmt, layout)
+        out[f"{pre}.w2.weight_scale"] = in_layout(t["w2_scale"], fmt, layout)
+        if fmt == "nvfp4":
+            out[f"{pre}.w13.weight_scale_2"], out[f"{pre}.w2.weight_scale_2"] = t["w13_global"], t["w2_global"]
+    elif kind == "gpt-oss":
+        out[f"{pre}.gate_up_proj_blocks"] = t["w13"].reshape(e, two_n, -1, 16)
+        out[f"{pre}.down_proj_blocks"] = t["w2"].reshape(e, t["w2"].shape[1], -1, 16)
+        out[f"{pre}.gate_up_proj_scales"] = in_layout(t["w13_scale"], fmt, layout)
+        out[f"{pre}.down_proj_scales"] = in_layout(t["w2_scale"], fmt, layout)
+    else:
+        gate, up, down = per_names
+        for i in range(e):
+            p = f"{pre}.{i}."
+            for proj, w, s in ((gate, t["w13"][i, :n], t["w13_scale"][i, :n]),
+                               (up, t["w13"][i, n:], t["w13_scale"][i, n:]),
+                               (down, t["w2"][i], t["w2_scale"][i])):
+                out[p + proj + ".weight"] = w.contiguous()
+                out[p + proj + ".weight_scale"] = in_layout(s.contiguous(), fmt, layout)
+                if fmt == "nvfp4":
+                    glob = t["w2_global"] if proj == down else t["w13_global"]
+                    out[p + proj + ".weight_scale_2"] = glob[i].reshape(())
+    return out
+
+
+def check_gathered(L, t, fmt):
+    assert L["format"] == fmt
+    for key in ("w13", "w2", "w13_scale", "w2_scale", "w13_global", "w2_global"):
+        want = t[key]
+        got = L[key]
+        if isinstance(got, csfmoe.CsfScales):
+            got = got.decompress("row_major")
+        assert tuple(got.shape) == tuple(want.shape), key
+        assert got.dtype == want.dtype, key
+        assert as_bytes(got) == as_bytes(want), key
+
+
+@pytest.mark.parametrize("kind,fmt", [("stacked", "nvfp4"), ("stacked", "mxfp4"), ("gpt-oss", "mxfp4"),
+                                      ("per-expert", "nvfp4"), ("per-expert", "mxfp4")])
+@pytest.mark.parametrize("layout", ["row_major", "swizzled_128x4"])
+def test_gather_layouts_plain_and_csf(gen, tmp_path, kind, fmt, layout):
+    # Swizzled, H = 1088 pads w2's rows to 1152 and MXFP4's 34 w13 columns to
+    # 36 (N = 192: 6 w2 columns to 8); H = 1024, N = 256 is tile-aligned. Grids
+    # this large compress; adversarial ones do not, and the container keeps
+    # them native.
+    e = int(torch.randint(1, 4, (1,), generator=gen))
+    h, n = [(1088, 192), (1024, 256)][int(torch.randint(0, 2, (1,), generator=gen))]
+    adversarial = bool(torch.randint(0, 4, (1,), generator=gen) == 0)
+    t = truth_layer(gen, fmt, e, h, n, adversarial)
+    pre = "model.layers.2.mlp.experts"
+    names = ("gate_proj", "up_proj", "down_proj") if torch.randint(0, 2, (1,), generator=gen) else ("w1", "w3", "w2")
+    tensors = layer_tensors(t, kind, fmt, layout, pre, names)
+    tensors["model.layers.2.mlp.gate.weight"] = torch.randn(e, h, generator=gen).to(torch.bfloat16)
+    src, dst = tmp_path / "plain.safetensors", tmp_path / "csf.safetensors"
+    csfmoe.checkpoint.save_file(tensors, src, {"csfmoe.scale_layout": layout})
+    plain = csfmoe.load_file(src)
+    for name, want in tensors.items():
+        assert as_bytes(plain[name]) == as_bytes(want), name
+    check_gathered(csfmoe.checkpoint.gather_moe_layer(plain, pre, scale_layout=layout), t, fmt)
+    if layout != "row_major":
+        # Read as row-major, the padded swizzled grid does not fit the weights.
+        g = 16 if fmt == "nvfp4" else 32
+        rows_ok = (2 * n) % 128 == 0 and h % 128 == 0
+        cols_ok = (h // g) % 4 == 0 and (n // g) % 4 == 0
+        if not (rows_ok and cols_ok):
+            with pytest.raises(csfmoe.FormatError, match="matches neither"):
+                csfmoe.checkpoint.gather_moe_layer(plain, pre)
+    csfmoe.checkpoint.compress_checkpoint(src, dst, layout=layout)
+    loaded = csfmoe.load_file(dst)
+    # Scales that CSF would not shrink stay native in the container.
+    kept = csfmoe._csfmoe.SafetensorsFile(str(dst)).native_kept()
+    csf_names = {k for k, v in loaded.items() if isinstance(v, csfmoe.CsfScales)}
+    assert csf_names | set(kept) == {k for k in tensors if k.endswith(("weight_scale", "_scales"))}
+    assert (len(csf_names) == 0) == adversarial, sorted(kept)
+    # CsfScales know their layout; native-kept scales are in `layout`.
+    L = csfmoe.checkpoint.gather_moe_layer(loaded, pre, scale_layout=layout)
+    check_gathered(L, t, fmt)
+    for key, name in (("w13_scale", f"{pre}.w13.weight_scale"), ("w13_scale", f"{pre}.gate_up_proj_scales"),
+                      ("w2_scale", f"{pre}.w2.weight_scale"), ("w2_scale", f"{pre}.down_proj_scales")):
+        if name in csf_names and layout == "row_major":
+            # Stacked CSF scales pass through undecoded.
+            assert L[key] is loaded[name]
+
+
+def find_csf():
+    exe = os.environ.get("CSFMOE_CSF") or shutil.which("csf")
+    if not exe:
+        found = sorted(ROOT.glob("build*/tools/csf/csf"))
+        exe = str(found[0]) if found else None
+    if not exe or not os.access(exe, os.X_OK):
+        pytest.skip("no csf binary (set CSFMOE_CSF or build the csf target)")
+    return exe
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gather_csf_synth_files(tmp_path, seed, fmt):
+    """Files written by `csf synth`: the swizzled file's layer equals the
+    row-major file's (same seed), plain and CSF-compressed."""
+    exe = find_csf()
+    gathered = {}
+    for layout in ("row_major", "swizzled_128x4"):
+        path = tmp_path / f"{layout}.safetensors"
+        subprocess.run([exe, "synth", str(path), "--model", "qwen3-30b-a3b", "--format", fmt, "--experts", "2",
+                        "--layers", "2", "--seed", str(seed % 2**31), "--layout", layout, "-q"], check=True)
+        raw = read_raw(path)
+        csf_path = tmp_path / f"{layout}-csf.safetensors"
+        csfmoe.checkpoint.compress_checkpoint(path, csf_path, layout=layout)
+        for kind, tensors in (("plain", csfmoe.load_file(path)), ("csf", csfmoe.load_file(csf_path))):
+            for i in range(2):
+                pre = f"model.layers.{i}.mlp.experts"
+                L = csfmoe.checkpoint.gather_moe_layer(tensors, pre, scale_layout=layout if kind == "plain" else
+                                                       "row_major")
+                gathered[(layout, kind, i)] = L
+                w13 = f"{pre}.w13.weight" if fmt == "nvfp4" else f"{pre}.gate_up_proj_blocks"
+                assert as_bytes(L["w13"]) == raw[w13][2]
+                if layout == "row_major":
+                    s2 = f"{pre}.w2.weight_scale" if fmt == "nvfp4" else f"{pre}.down_proj_scales"
+                    assert as_bytes(L["w2_scale"]) == raw[s2][2]
+                if fmt == "nvfp4":
+                    assert as_bytes(L["w13_global"]) == raw[f"{pre}.w13.weight_scale_2"][2]
+    base = gathered[("row_major", "plain", 1)]
+    assert as_bytes(base["w13_scale"]) != as_bytes(gathered[("row_major", "plain", 0)]["w13_scale"])
+    for key, L in gathered.items():
+        if key[2] != 1:
+            continue
+        assert L["format"] == fmt
+        for k in ("w13", "w2", "w13_scale", "w2_scale", "w13_global", "w2_global"):
+            assert as_bytes(L[k]) == as_bytes(base[k]), (key, k)
+
+
+def stacked_dict(gen, fmt="nvfp4", e=2, h=128, n=64, pre="model.layers.0.mlp.experts"):
+    return layer_tensors(truth_layer(gen, fmt, e, h, n, False), "stacked", fmt, "row_major", pre)
+
+
+def test_gather_errors_name_layer_and_tensors(gen):
+    gather = csfmoe.checkpoint.gather_moe_layer
+    pre = "model.layers.0.mlp.experts"
+    t = stacked_dict(gen)
+    with pytest.raises(csfmoe.InvalidArgument,
+                       match=r"no MoE layer 'model.layers.7.mlp.experts'.*layers found: model.layers.0.mlp.experts"):
+        gather(t, "model.layers.7.mlp.experts")
+    with pytest.raises(csfmoe.InvalidArgument, match="layers found: none"):
+        gather({"lm_head.weight": torch.zeros(2, 2)}, pre)
+    # Stacked, two tensors missing: both named, with the layer.
+    part = {k: v for k, v in t.items() if not k.startswith(f"{pre}.w2.weight")}
+    with pytest.raises(csfmoe.FormatError, match=rf"layer '{pre}' \(stacked layout\): missing tensors "
+                                                 rf"'{pre}.w2.weight', '{pre}.w2.weight_scale'"):
+        gather(part, pre)
+    part = {k: v for k, v in t.items() if not k.endswith("w13.weight_scale_2")}
+    with pytest.raises(csfmoe.FormatError, match=rf"missing tensors '{pre}.w13.weight_scale_2'"):
+        gather(part, pre)
+    # Per-expert: expert 1's up_proj scale missing.
+    per = layer_tensors(truth_layer(gen, "nvfp4", 3, 128, 64, False), "per-expert", "nvfp4", "row_major", pre)
+    del per[f"{pre}.1.up_proj.weight_scale"]
+    with pytest.raises(csfmoe.FormatError,
+                       match=rf"\(per-expert layout\): missing tensors '{pre}.1.up_proj.weight_scale'"):
+        gather(per, pre)
+    # A missing expert index shows up as its missing tensors.
+    per = layer_tensors(truth_layer(gen, "nvfp4", 3, 128, 64, False), "per-expert", "nvfp4", "row_major", pre)
+    for k in [k for k in per if k.startswith(f"{pre}.1.")]:
+        del per[k]
+    with pytest.raises(csfmoe.FormatError, match=rf"'{pre}.1.gate_proj.weight', '{pre}.1.gate_proj.weight_scale'"):
+        gather(per, pre)
+    per = layer_tensors(truth_layer(gen, "nvfp4", 2, 128, 64, False), "per-expert", "nvfp4", "row_major", pre)
+    with pytest.raises(csfmoe.FormatError, match="mixes stacked, gpt-oss and per-expert"):
+        gather({**t, **per}, pre)
+    with pytest.raises(csfmoe.FormatError, match="mixes"):
+        w13 = {k.replace(".gate_proj.", ".w1."): v for k, v in per.items() if ".gate_proj." in k}
+        gather({**per, **w13}, pre)
+
+
+def test_gather_refusals_mirror_the_cpp_loader(gen):
+    gather = csfmoe.checkpoint.gather_moe_layer
+    pre = "model.layers.0.mlp.experts"
+    t = stacked_dict(gen)
+    with pytest.raises(csfmoe.Unsupported, match=rf"'{pre}.w13.bias': expert biases"):
+        gather({**t, f"{pre}.w13.bias": torch.zeros(2, 128)}, pre)
+    oss = layer_tensors(truth_layer(gen, "mxfp4", 2, 128, 64, False), "gpt-oss", "mxfp4", "row_major", pre)
+    with pytest.raises(csfmoe.Unsupported, match="gate_up_proj_bias"):
+        gather({**oss, f"{pre}.gate_up_proj_bias": torch.zeros(2, 128)}, pre)
+    mx = stacked_dict(gen, "mxfp4")
+    with pytest.raises(csfmoe.Unsupported, match=rf"'{pre}.w2.weight_scale_2': an MXFP4 layer with a global"):
+        gather({**mx, f"{pre}.w2.weight_scale_2": torch.ones(2)}, pre)
+    per = layer_tensors(truth_layer(gen, "nvfp4", 2, 128, 64, False), "per-expert", "nvfp4", "row_major", pre)
+    per[f"{pre}.1.up_proj.weight_scale_2"] = per[f"{pre}.1.up_proj.weight_scale_2"] * 2
+    with pytest.raises(csfmoe.Unsupported, match=rf"'{pre}.1.gate_proj.weight_scale_2' .* differ"):
+        gather(per, pre)
+    bad = dict(t)
+    bad[f"{pre}.w2.weight_scale_2"] = torch.tensor([1.0, float("nan")])
+    with pytest.raises(csfmoe.FormatError, match=r"w2.weight_scale_2': global scale \[1\] is nan"):
+        gather(bad, pre)
+    bad[f"{pre}.w2.weight_scale_2"] = torch.ones(3)
+    with pytest.raises(csfmoe.FormatError, match=r"global scale shape \[3\] is not \[\], \[1\] or \[2\]"):
+        gather(bad, pre)
+    bad[f"{pre}.w2.weight_scale_2"] = torch.ones(2, dtype=torch.float64)
+    with pytest.raises(csfmoe.FormatError, match="global scale must be float32"):
+        gather(bad, pre)
+    bad = dict(t)
+    bad[f"{pre}.w13.weight_scale"] = t[f"{pre}.w13.weight_scale"].view(torch.int8)
+    with pytest.raises(csfmoe.FormatError, match="nvfp4 block scale must be"):
+        gather(bad, pre)
+    bad[f"{pre}.w13.weight_scale"] = t[f"{pre}.w13.weight_scale"][:, :, :5].contiguous()
+    with pytest.raises(csfmoe.FormatError, match="matches neither K/16 nor K/32"):
+        gather(bad, pre)
+    bad = dict(t)
+    bad[f"{pre}.w2.weight"] = torch.zeros(2, 256, 32, dtype=torch.uint8)
+    bad[f"{pre}.w2.weight_scale"] = torch.zeros(2, 256, 4, dtype=torch.uint8).view(F8)
+    with pytest.raises(csfmoe.FormatError, match=r"are not the \[E, 2N, H\] / \[E, H, N\] pair"):
+        gather(bad, pre)
+    with pytest.raises(csfmoe.InvalidArgument, match="scale_layout must be one of"):
+        gather(t, pre, scale_layout="swizzled")
+    # Scalar globals broadcast over the experts, as in the C++ loader.
+    one = dict(t)
+    one[f"{pre}.w13.weight_scale_2"] = torch.tensor(0.5)
+    assert torch.equal(gather(one, pre)["w13_global"], torch.full((2,), 0.5))
+
+
+def test_save_file_roundtrip(gen, tmp_path):
+    x = realistic_scales(gen, (2, 128, 8))
+    t = {
+        "a.bf16": torch.randn(3, 5, generator=gen).to(torch.bfloat16),
+        "b.f32.scalar": torch.tensor(1.5),
+        "c.bool": torch.rand(7, generator=gen) > 0.5,
+        "d.i64": torch.randint(-2**40, 2**40, (4,), generator=gen),
+        "e.empty": torch.zeros(0, 3),
+        "f.f8": x.view(F8)[:, ::2],  # not contiguous
+        "g.csf": csfmoe.CsfScales.compress(x.view(F8)),
+    }
+    path = tmp_path / "x.safetensors"
+    csfmoe.checkpoint.save_file(t, path, {"k": "v"})
+    raw = read_raw(path)
+    assert raw["f.f8"][:2] == ("F8_E4M3", [2, 64, 8]) and raw["g.csf"][:2] == ("F8_E4M3", [2, 128, 8])
+    back = csfmoe.load_file(path)
+    for name, want in t.items():
+        if isinstance(want, csfmoe.CsfScales):
+            want = want.decompress()
+        got = back[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert as_bytes(got) == as_bytes(want), name
+    assert csfmoe._csfmoe.SafetensorsFile(str(path)).metadata() == {"k": "v"}
+    with pytest.raises(csfmoe.InvalidArgument, match="__metadata__"):
+        csfmoe.checkpoint.save_file({"__metadata__": torch.zeros(1)}, path)
+    with pytest.raises(csfmoe.InvalidArgument, match="expected a torch.Tensor"):
+        csfmoe.checkpoint.save_file({"x": [1, 2]}, path)

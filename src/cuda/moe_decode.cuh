@@ -192,12 +192,14 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
   };
 
   // Valid rows of the tile are a prefix (routing pads the tail with -1).
-  int slot = -1;
-  if (tid < kTileM) {
-    slot = p.sorted_slot[row0 + tid];
-    arow[tid] = slot < 0 ? -1 : (GateUp ? slot / int(p.topk) : int(row0) + tid);
+  // Blocks of fewer than kTileM threads take several rows each.
+  int valid = 0;
+  for (int m0 = 0; m0 < kTileM; m0 += int(blockDim.x)) {
+    const int m = m0 + tid;
+    const int slot = m < kTileM ? p.sorted_slot[row0 + m] : -1;
+    if (m < kTileM) arow[m] = slot < 0 ? -1 : (GateUp ? slot / int(p.topk) : int(row0) + m);
+    valid += __syncthreads_count(slot >= 0);
   }
-  const int valid = __syncthreads_count(tid < kTileM && slot >= 0);
 
   for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
 
