@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Plots bench_gpu_moe's JSON lines: fraction of the memory roofline against T.
+
+    python3 bench/plot_moe.py bench.jsonl [more.jsonl ...] -o docs/img/moe-roofline.png
+
+One panel per (shape, format). Lines: csfmoe with native scales and with
+stage-read CSF scales (each against the roofline of the bytes it reads), the
+tiled kernel, and the BF16 cuBLAS peer (against the same FP4 roofline, so the
+curves compare times directly). Needs matplotlib.
+"""
+import argparse
+import json
+import sys
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("jsonl", nargs="+")
+    ap.add_argument("-o", "--output", default="moe-roofline.png")
+    args = ap.parse_args()
+    rows = []
+    for path in args.jsonl:
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    r = json.loads(line)
+                    if r.get("bench") == "moe_layer":
+                        rows.append(r)
+    if not rows:
+        print(f"plot_moe: no moe_layer rows in {args.jsonl}", file=sys.stderr)
+        return 1
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["shape"], r["format"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (shape, fmt) in zip(axes[0], panels):
+        pr = sorted((r for r in rows if r["shape"] == shape and r["format"] == fmt), key=lambda r: r["T"])
+        t = [r["T"] for r in pr]
+        series = [
+            ("csfmoe, native scales", [r["roof_native_us"] / r["native_us"] for r in pr], "o-"),
+            ("csfmoe, stage-read CSF", [r["roof_csf_us"] / r["stage_read_us"] for r in pr], "s-"),
+            ("tiled kernel", [r["roof_native_us"] / r["tiled_us"] for r in pr], "x:"),
+        ]
+        if any(r["bf16_cublas_us"] > 0 for r in pr):
+            series.append(
+                ("BF16 cuBLAS peer", [r["roof_native_us"] / r["bf16_cublas_us"] if r["bf16_cublas_us"] > 0 else float("nan") for r in pr], "^--")
+            )
+        for label, y, style in series:
+            ax.plot(t, [100 * v for v in y], style, label=label)
+        ax.axhline(80, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens T (top-8)")
+        ax.set_ylabel("% of FP4 memory roofline")
+        ax.set_title(f"{shape} {fmt}")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.output, dpi=110)
+    print(f"plot_moe: wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
