@@ -10,22 +10,26 @@
 //  * K permutation. A dot product does not care in which order K is summed,
 //    so lane t of a quad owns 32 *consecutive* K of each of its rows per
 //    128-wide K block (one 16-byte load per row) and feeds them to the eight
-//    k16 steps of that block as adjacent pairs: the fragment slots (2t, 2t+1)
-//    and (2t+8, 2t+9) of step s take K 4s..4s+3 of the lane's 32. The
-//    activations (N operand) are read in the same order, which makes their
-//    16-byte loads the B fragments as they are. No shuffles and no weight
-//    pre-layout: the checkpoint's packed rows are read as they are.
+//    k16 steps of that block in an order chosen to make dequantization cheap.
+//    The activations (N operand) are read in the same order, so the product
+//    is unchanged. No shuffles, no weight pre-layout: the checkpoint's packed
+//    rows are read as they are.
 //  * Private cp.async rings. Each lane copies its own 16-byte chunks into a
 //    per-warp shared-memory ring kStages deep and reads back only what it
 //    copied itself, so no barrier is needed in the main loop and kStages
 //    K blocks per warp are always in flight.
-//  * E2M1 -> BF16 by table. A first version built bf16 pairs with shifts and
-//    masks (4 integer ops per pair); the integer pipe (half the issue rate)
-//    capped it at about a third of HBM bandwidth. Now one byte extract
-//    (PRMT), one shared-memory load from a 256-entry pair table with one copy
-//    per bank (conflict-free) and one packed multiply by the block scale make
-//    two values. E2M1 times an E4M3 or E8M0 scale is exact in bf16, as in the
-//    tiled kernel.
+//  * E2M1 -> BF16 with bit operations. Nibble j and j+4 of a 32-bit word sit
+//    at the same offset of the two 16-bit halves, so one shift/mask sequence
+//    makes a bf16 pair. Placing the 3 magnitude bits at bf16 bits 8..6 gives
+//    value * 2^-126 exactly (E2M1's subnormal maps onto bf16's), which one
+//    packed multiply by the block scale (pre-multiplied by 2^118 for NVFP4)
+//    brings back to value * scale * 2^-8; the epilogue multiplies by 2^8.
+//    Every product is exact in bf16, as in the tiled kernel. MXFP4 scales
+//    span 2^-127..2^127, too wide for one folded factor: it multiplies by
+//    2^126 first, then by the scale (still exact, same rounding as the tiled kernel).
+//    (Measured alternative, not kept: a 256-entry bf16-pair table with one
+//    copy per shared-memory bank. Its 32 KB per block halved the blocks per
+//    SM and its fill dominated short blocks: 2x slower. docs/performance.md.)
 //  * Scales staged once per block. All block-scale bytes of the block's rows
 //    (the whole K) are converted to bf16 into shared memory before the main
 //    loop, by the ScaleKind policy: dense, swizzled, or CSF base + offset
@@ -54,7 +58,7 @@ namespace csfmoe::moe_detail {
 
 constexpr int kDecodeMaxWarps = 8;
 constexpr int kDecodeRows = 32;          // weight rows per block: 2 MMA row tiles of 16
-constexpr int kDecodeStages = 3;         // cp.async ring depth per warp (K blocks in flight)
+constexpr int kDecodeStages = 4;         // cp.async ring depth per warp (K blocks in flight)
 constexpr int kDecodeKBlock = 128;       // K per lane quad and step: 4 lanes x 32 values
 constexpr int kDecodeChunksPerLane = 4;  // 16-byte chunks per lane and K block (4 rows)
 
@@ -63,7 +67,6 @@ struct DecodeSmem {
   std::uint32_t warps = 0, stages = 0, nt = 0;
   std::uint32_t scale_pitch_words = 0;  // bf16 scale row pitch in 32-bit words
   std::uint32_t ring_bytes = 0;         // per-warp rings, later the partial sums
-  std::uint32_t table_bytes = 0;        // E2M1 pair table, one copy per bank
   std::uint32_t scale_bytes = 0;
   std::uint32_t total = 0;
 };
@@ -85,9 +88,8 @@ CSFMOE_HD DecodeSmem decode_smem(std::uint32_t k, std::uint32_t group, std::uint
   const std::uint32_t ring = s.warps * s.stages * kDecodeChunksPerLane * 32 * 16;
   const std::uint32_t partial = s.warps * kDecodeRows * 8 * nt * 4;
   s.ring_bytes = ring > partial ? ring : partial;
-  s.table_bytes = 256 * 32 * 4;
   s.scale_bytes = kDecodeRows * s.scale_pitch_words * 4;
-  s.total = s.ring_bytes + s.table_bytes + s.scale_bytes + kTileM * 4;
+  s.total = s.ring_bytes + s.scale_bytes + kTileM * 4;
   return s;
 }
 
@@ -119,28 +121,28 @@ __device__ __forceinline__ std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32
   return *reinterpret_cast<std::uint32_t*>(&x);
 }
 
-// BF16 bits of the 16 E2M1 codes (exact: E2M1 values have 2 significant bits).
-constexpr std::uint16_t kE2m1Bf16[16] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
-                                         0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
-// Byte b of packed E2M1 -> bf16 pair (low half = low nibble), each entry
-// repeated 4 times so one 16-byte copy fills 4 banks of a shared-memory row.
-struct PairTable {
-  std::uint32_t v[256 * 4];
-};
-constexpr PairTable make_pair_table() {
-  PairTable t{};
-  for (int b = 0; b < 256; ++b)
-    for (int c = 0; c < 4; ++c) t.v[b * 4 + c] = kE2m1Bf16[b & 15] | (std::uint32_t(kE2m1Bf16[b >> 4]) << 16);
-  return t;
+// bf16 pair (value * 2^-126) of nibbles J and J + 4 of q (low half = nibble J).
+template <int J>
+__device__ __forceinline__ std::uint32_t e2m1_pair(std::uint32_t q) {
+  constexpr int kSign = 12 - 4 * J;  // nibble sign bit 4J+3 -> bf16 bit 15
+  constexpr int kMag = 6 - 4 * J;    // magnitude bits 4J..4J+2 -> bf16 bits 6..8
+  const std::uint32_t sign = (kSign >= 0 ? q << kSign : q >> -kSign) & 0x80008000u;
+  const std::uint32_t mag = (kMag >= 0 ? q << kMag : q >> -kMag) & 0x01C001C0u;
+  return sign | mag;
 }
-static __device__ const PairTable kPairTable = make_pair_table();
 
-// bf16 of a block-scale byte (exact: E4M3 has 4 significant bits, E8M0 is a power of two).
+// bf16 of a block-scale byte with the kernel's fixed factor (2^118 for NVFP4).
 template <ScaleFormat F>
 __device__ __forceinline__ std::uint16_t scale_bf16(std::uint8_t b) {
-  const __nv_bfloat16 h = __float2bfloat16_rn(scale_to_float<F>(b));
+  float v = scale_to_float<F>(b);
+  if constexpr (F == ScaleFormat::nvfp4) v *= 0x1p118f;
+  const __nv_bfloat16 h = __float2bfloat16_rn(v);
   return *reinterpret_cast<const std::uint16_t*>(&h);
 }
+
+// Epilogue factor undoing the NVFP4 folding (2^-126 from the nibbles times 2^118).
+template <ScaleFormat F>
+constexpr float kDecodeUnfold = F == ScaleFormat::nvfp4 ? 256.0f : 1.0f;
 
 }  // namespace decode
 
@@ -156,11 +158,10 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
   const DecodeSmem lay = decode_smem(p.k, kG, NT);
   const int warps = int(lay.warps);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  auto* ring = reinterpret_cast<uint4*>(smem);     // [warp][stage][chunk][lane]
-  auto* partial = reinterpret_cast<float*>(smem);  // [warp][row][token], after the loop
-  auto* table = reinterpret_cast<std::uint32_t*>(smem + lay.ring_bytes);  // [256 bytes][32 banks]
-  auto* sc = reinterpret_cast<std::uint32_t*>(smem + lay.ring_bytes + lay.table_bytes);  // bf16 [row][col]
-  auto* arow = reinterpret_cast<int*>(smem + lay.ring_bytes + lay.table_bytes + lay.scale_bytes);  // [kTileM]
+  auto* ring = reinterpret_cast<uint4*>(smem);                         // [warp][stage][chunk][lane]
+  auto* partial = reinterpret_cast<float*>(smem);                      // [warp][row][token], after the loop
+  auto* sc = reinterpret_cast<std::uint32_t*>(smem + lay.ring_bytes);  // bf16 [row][col], pitch in words
+  auto* arow = reinterpret_cast<int*>(smem + lay.ring_bytes + lay.scale_bytes);  // [kTileM]
 
   const int e = p.tile_expert[tile];
   const std::uint32_t row0 = std::uint32_t(tile) * kTileM;
@@ -203,11 +204,6 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
     valid += __syncthreads_count(slot >= 0);
   }
 
-  // The pair table (4 KB in L2) fans out to one copy per bank: lane l reads
-  // column l, so a warp's 32 lookups never conflict.
-  for (int c = tid; c < 256 * 8; c += blockDim.x)
-    cp_async16(table + (c / 8) * 32 + (c % 8) * 4, &kPairTable.v[(c / 8) * 4]);
-  cp_async_commit();
   for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
 
   // Scale prologue: every scale column of the block's rows, as scaled bf16.
@@ -254,11 +250,9 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
       }
     }
   }
-  cp_async_wait<kDecodeStages - 1>();  // the table group (the oldest) has landed
   __syncthreads();
 
-  const float gs = p.global ? p.global[e] : 1.0f;
-  const std::uint32_t* table_lane = table + lane;
+  const float gs = (p.global ? p.global[e] : 1.0f) * kDecodeUnfold<F>;
   const std::uint16_t* x_base = p.a;
   for (int tok0 = 0; tok0 < valid; tok0 += 8 * NT) {
     const int left = valid - tok0;
@@ -309,26 +303,38 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
       }
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        // Activations k = 8w..8w+7 of the lane's 32, in pairs (0,1) (2,3) | (4,5) (6,7).
-        uint4 b[NT];
+        // Activations k = 8w..8w+7 of the lane's 32: pairs (0,4) (1,5) | (2,6) (3,7).
+        std::uint32_t b[NT][4];
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
-          if (n < chunks) b[n] = __ldg(reinterpret_cast<const uint4*>(xrow[n] + kb * kDecodeKBlock + 8 * w));
+        for (int n = 0; n < NT; ++n) {
+          if (n < chunks) {
+            const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xrow[n] + kb * kDecodeKBlock + 8 * w));
+            b[n][0] = __byte_perm(xv.x, xv.z, 0x5410);
+            b[n][1] = __byte_perm(xv.x, xv.z, 0x7632);
+            b[n][2] = __byte_perm(xv.y, xv.w, 0x5410);
+            b[n][3] = __byte_perm(xv.y, xv.w, 0x7632);
+          }
+        }
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           const std::uint32_t qlo = (&wq[2 * mt].x)[w], qhi = (&wq[2 * mt + 1].x)[w];
           const std::uint32_t slo = sp[2 * mt][w / 2], shi = sp[2 * mt + 1][w / 2];
-          std::uint32_t lo[4], hi[4];
+          std::uint32_t lo[4] = {e2m1_pair<0>(qlo), e2m1_pair<1>(qlo), e2m1_pair<2>(qlo), e2m1_pair<3>(qlo)};
+          std::uint32_t hi[4] = {e2m1_pair<0>(qhi), e2m1_pair<1>(qhi), e2m1_pair<2>(qhi), e2m1_pair<3>(qhi)};
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            lo[j] = bf16x2_mul(table_lane[__byte_perm(qlo, 0, 0x4440 | j) * 32], slo);
-            hi[j] = bf16x2_mul(table_lane[__byte_perm(qhi, 0, 0x4440 | j) * 32], shi);
+            if constexpr (F == ScaleFormat::mxfp4) {
+              lo[j] = bf16x2_mul(lo[j], 0x7E807E80u);  // 2^126: exact E2M1 values
+              hi[j] = bf16x2_mul(hi[j], 0x7E807E80u);
+            }
+            lo[j] = bf16x2_mul(lo[j], slo);
+            hi[j] = bf16x2_mul(hi[j], shi);
           }
 #pragma unroll
           for (int n = 0; n < NT; ++n) {
             if (n < chunks) {
-              mma_bf16(acc[mt][n], lo[0], hi[0], lo[1], hi[1], b[n].x, b[n].y);
-              mma_bf16(acc[mt][n], lo[2], hi[2], lo[3], hi[3], b[n].z, b[n].w);
+              mma_bf16(acc[mt][n], lo[0], hi[0], lo[1], hi[1], b[n][0], b[n][1]);
+              mma_bf16(acc[mt][n], lo[2], hi[2], lo[3], hi[3], b[n][2], b[n][3]);
             }
           }
         }
