@@ -26,15 +26,44 @@ __device__ __forceinline__ float e2m1_bits_to_float(std::uint32_t code) {
   return __uint_as_float(bits | ((code & 8u) << 28));
 }
 
+// Byte index of (e, row, col) in a dense grid.
+template <ScaleKind K>
+__device__ __forceinline__ std::uint64_t dense_index(const ScaleSource& s, int e, std::uint32_t row,
+                                                     std::uint32_t col) {
+  const std::uint64_t in_expert =
+      K == ScaleKind::dense_swizzled ? swizzled_index(row, col, s.cols) : std::uint64_t(row) * s.cols + col;
+  return std::uint64_t(e) * s.expert_stride + in_expert;
+}
+
 // Scale byte (e, row, col) from a dense grid.
 template <ScaleKind K>
 __device__ __forceinline__ std::uint8_t dense_scale(const ScaleSource& s, int e, std::uint32_t row,
                                                     std::uint32_t col) {
-  const std::uint8_t* g = s.dense + std::uint64_t(e) * s.expert_stride;
-  if constexpr (K == ScaleKind::dense_swizzled)
-    return g[swizzled_index(row, col, s.cols)];
+  return s.dense[dense_index<K>(s, e, row, col)];
+}
+
+// CSF fixed part (docs/csf-format.md): the slab holding `row` of expert e,
+// the row's base byte in it, and where its offsets start.
+template <ScaleFormat F>
+__device__ __forceinline__ const std::uint8_t* csf_slab(const ScaleSource& s, int e, std::uint32_t row) {
+  return s.fixed + std::uint64_t(e) * s.fixed_per_expert +
+         std::uint64_t(row / csf_slab_rows(F)) * s.slab_bytes;
+}
+template <ScaleFormat F>
+__device__ __forceinline__ std::uint8_t csf_base(const std::uint8_t* slab, std::uint32_t row) {
+  if constexpr (F == ScaleFormat::nvfp4)
+    return slab[(row % 32) * 4 + (row % 128) / 32];
   else
-    return g[std::uint64_t(row) * s.cols + col];
+    return slab[row % 16];
+}
+// NVFP4: nibble index of (row, col) after the 128 base bytes (128x4 tiles).
+__device__ __forceinline__ std::uint32_t nvfp4_offset_nibble(std::uint32_t row, std::uint32_t col) {
+  return (col / 4) * 512 + (row % 32) * 16 + ((row % 128) / 32) * 4 + (col % 4);
+}
+// MXFP4: byte of the 1-bit offsets holding (row, col) after the 16 base bytes.
+__device__ __forceinline__ std::uint32_t mxfp4_offset_byte(const ScaleSource& s, std::uint32_t row,
+                                                           std::uint32_t col) {
+  return 16 + (row % 16) * ((s.padded_cols + 7) / 8) + col / 8;
 }
 
 // Base + offset of (e, row, col) from the CSF fixed part; exception slots
@@ -42,16 +71,13 @@ __device__ __forceinline__ std::uint8_t dense_scale(const ScaleSource& s, int e,
 template <ScaleFormat F>
 __device__ __forceinline__ std::uint8_t csf_fixed_scale(const ScaleSource& s, int e, std::uint32_t row,
                                                         std::uint32_t col) {
-  const std::uint8_t* slab =
-      s.fixed + std::uint64_t(e) * s.fixed_per_expert + std::uint64_t(row / csf_slab_rows(F)) * s.slab_bytes;
+  const std::uint8_t* slab = csf_slab<F>(s, e, row);
+  const std::uint8_t base = csf_base<F>(slab, row);
   if constexpr (F == ScaleFormat::nvfp4) {
-    const std::uint8_t base = slab[(row % 32) * 4 + (row % 128) / 32];
-    const std::uint32_t n = (col / 4) * 512 + (row % 32) * 16 + ((row % 128) / 32) * 4 + (col % 4);
+    const std::uint32_t n = nvfp4_offset_nibble(row, col);
     return std::uint8_t(base + ((slab[128 + n / 2] >> ((n & 1) * 4)) & 0xF));
   } else {
-    const std::uint8_t base = slab[row % 16];
-    const std::uint32_t mask_bytes = (s.padded_cols + 7) / 8;
-    return std::uint8_t(base + ((slab[16 + (row % 16) * mask_bytes + col / 8] >> (col % 8)) & 1));
+    return std::uint8_t(base + ((slab[mxfp4_offset_byte(s, row, col)] >> (col % 8)) & 1));
   }
 }
 
@@ -62,27 +88,20 @@ template <ScaleFormat F, ScaleKind K>
 __device__ __forceinline__ std::uint32_t scale_quad(const ScaleSource& s, int e, std::uint32_t row,
                                                     std::uint32_t col4) {
   if constexpr (K == ScaleKind::csf) {
-    const std::uint8_t* slab = s.fixed + std::uint64_t(e) * s.fixed_per_expert +
-                               std::uint64_t(row / csf_slab_rows(F)) * s.slab_bytes;
-    std::uint32_t base, spread;
+    const std::uint8_t* slab = csf_slab<F>(s, e, row);
+    const std::uint32_t base = csf_base<F>(slab, row);
+    std::uint32_t spread;
     if constexpr (F == ScaleFormat::nvfp4) {
-      base = slab[(row % 32) * 4 + (row % 128) / 32];
-      const std::uint32_t n = (col4 / 4) * 512 + (row % 32) * 16 + ((row % 128) / 32) * 4;  // nibbles n..n+3
+      const std::uint32_t n = nvfp4_offset_nibble(row, col4);  // nibbles n..n+3, n % 4 == 0
       const std::uint32_t off = slab[128 + n / 2] | (std::uint32_t(slab[128 + n / 2 + 1]) << 8);
       spread = (off & 0xFu) | ((off & 0xF0u) << 4) | ((off & 0xF00u) << 8) | ((off & 0xF000u) << 12);
     } else {
-      base = slab[row % 16];
-      const std::uint32_t mask_bytes = (s.padded_cols + 7) / 8;
-      const std::uint32_t bits = (slab[16 + (row % 16) * mask_bytes + col4 / 8] >> (col4 % 8)) & 0xFu;
+      const std::uint32_t bits = (slab[mxfp4_offset_byte(s, row, col4)] >> (col4 % 8)) & 0xFu;
       spread = (bits & 1u) | ((bits & 2u) << 7) | ((bits & 4u) << 14) | ((bits & 8u) << 21);
     }
     return __vadd4(spread, base * 0x01010101u);
   } else {
-    const std::uint8_t* g = s.dense + std::uint64_t(e) * s.expert_stride;
-    if constexpr (K == ScaleKind::dense_swizzled)
-      return *reinterpret_cast<const std::uint32_t*>(g + swizzled_index(row, col4, s.cols));
-    else
-      return *reinterpret_cast<const std::uint32_t*>(g + std::uint64_t(row) * s.cols + col4);
+    return *reinterpret_cast<const std::uint32_t*>(s.dense + dense_index<K>(s, e, row, col4));
   }
 }
 
