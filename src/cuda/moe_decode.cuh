@@ -18,24 +18,29 @@
 //    per-warp shared-memory ring kStages deep and reads back only what it
 //    copied itself, so no barrier is needed in the main loop and kStages
 //    K blocks per warp are always in flight.
-//  * E2M1 -> BF16 with bit operations. Nibble j and j+4 of a 32-bit word sit
-//    at the same offset of the two 16-bit halves, so one shift/mask sequence
-//    makes a bf16 pair. Placing the 3 magnitude bits at bf16 bits 8..6 gives
-//    value * 2^-126 exactly (E2M1's subnormal maps onto bf16's), which one
-//    packed multiply by the block scale (pre-multiplied by 2^118 for NVFP4)
-//    brings back to value * scale * 2^-8; the epilogue multiplies by 2^8.
-//    Every product is exact in bf16, as in the tiled kernel. MXFP4 scales
-//    span 2^-127..2^127, too wide for one folded factor: it multiplies by
-//    2^126 first, then by the scale (still exact, same rounding as the tiled kernel).
+//  * E2M1 -> BF16 with bit operations (src/cuda/moe_decode_bits.cuh). Nibble
+//    j and j+4 of a 32-bit word sit at the same offset of the two 16-bit
+//    halves, so one mask, one integer multiply (two non-overlapping copies of
+//    the nibble) and one mask make a bf16 pair. Placing the 3 magnitude bits
+//    at bf16 bits 8..6 gives value * 2^-126 exactly (E2M1's subnormal maps
+//    onto bf16's), which one packed multiply by the block scale
+//    (pre-multiplied by 2^118 for NVFP4) brings back to value * scale * 2^-8;
+//    the epilogue multiplies by 2^8. Every product is exact in bf16, as in
+//    the tiled kernel. MXFP4 scales span 2^-127..2^127, too wide for one
+//    folded factor: it multiplies by 2^126 first, then by the scale (still
+//    exact, same rounding as the tiled kernel).
 //    (Measured alternative, not kept: a 256-entry bf16-pair table with one
 //    copy per shared-memory bank. Its 32 KB per block halved the blocks per
 //    SM and its fill dominated short blocks: 2x slower. docs/performance.md.)
 //  * Scales staged once per block. All block-scale bytes of the block's rows
 //    (the whole K) are converted to bf16 into shared memory before the main
 //    loop, by the ScaleKind policy: dense, swizzled, or CSF base + offset
-//    with exceptions patched. Only this prologue differs between scale
-//    modes, so all modes produce identical bits; the weight ring is already
-//    filling while it runs.
+//    with exceptions patched. Four bytes convert by bit assembly in a few
+//    instructions; words holding a subnormal or NaN code take the exact
+//    byte-wise path (the float decoder of this prologue once cost as many
+//    instructions as the whole main loop). Only this prologue differs between
+//    scale modes, so all modes produce identical bits; the weight ring is
+//    already filling while it runs.
 //  * K split across warps. The W warps of a block share its 32 weight rows
 //    and take K blocks warp, warp + W, ...; partial sums meet in shared memory
 //    in a fixed order (deterministic) before the epilogue (SiLU(gate) * up or
@@ -51,6 +56,7 @@
 
 #include <cstdint>
 
+#include "cuda/moe_decode_bits.cuh"
 #include "cuda/moe_kernels.cuh"
 #include "cuda/moe_scale_read.cuh"
 
@@ -58,16 +64,17 @@ namespace csfmoe::moe_detail {
 
 constexpr int kDecodeMaxWarps = 8;
 constexpr int kDecodeRows = 32;          // weight rows per block: 2 MMA row tiles of 16
-constexpr int kDecodeStages = 4;         // cp.async ring depth per warp (K blocks in flight)
+constexpr int kDecodeStages = 4;         // cp.async ring depth per warp (K blocks in flight), a power of 2
 constexpr int kDecodeKBlock = 128;       // K per lane quad and step: 4 lanes x 32 values
 constexpr int kDecodeChunksPerLane = 4;  // 16-byte chunks per lane and K block (4 rows)
 
 // Host and device agree on the dynamic shared memory layout through these.
 struct DecodeSmem {
-  std::uint32_t warps = 0, stages = 0, nt = 0;
+  std::uint32_t warps = 0, nt = 0;
   std::uint32_t scale_pitch_words = 0;  // bf16 scale row pitch in 32-bit words
   std::uint32_t ring_bytes = 0;         // per-warp rings, later the partial sums
   std::uint32_t scale_bytes = 0;
+  std::uint32_t raw_bytes = 0;  // staged source words of the scales: [row][quad], then 32 base words
   std::uint32_t total = 0;
 };
 
@@ -79,25 +86,31 @@ CSFMOE_HD DecodeSmem decode_smem(std::uint32_t k, std::uint32_t group, std::uint
   // blocks (more of them per SM, so block start-up latencies overlap).
   const std::uint32_t want = (kblocks + 3) / 4;
   s.warps = want < 1 ? 1 : (want > kDecodeMaxWarps ? kDecodeMaxWarps : want);
-  const std::uint32_t per_warp = (kblocks + s.warps - 1) / s.warps;
-  s.stages = per_warp < kDecodeStages ? per_warp : kDecodeStages;
   s.nt = nt;
   // Pitch = 4 (mod 32) words: the 8 rows x 4 lanes of a quad-row read hit 32 banks.
   const std::uint32_t words = (k / group) / 2;
   s.scale_pitch_words = (words + 31) / 32 * 32 + 4;
-  const std::uint32_t ring = s.warps * s.stages * kDecodeChunksPerLane * 32 * 16;
+  const std::uint32_t ring = s.warps * kDecodeStages * kDecodeChunksPerLane * 32 * 16;
   const std::uint32_t partial = s.warps * kDecodeRows * 8 * nt * 4;
   s.ring_bytes = ring > partial ? ring : partial;
   s.scale_bytes = kDecodeRows * s.scale_pitch_words * 4;
-  s.total = s.ring_bytes + s.scale_bytes + kTileM * 4;
+  s.raw_bytes = kDecodeRows * (k / group / 4) * 4 + kDecodeRows * 4;
+  s.total = s.ring_bytes + s.scale_bytes + s.raw_bytes + kTileM * 4;
   return s;
 }
 
 namespace decode {
 
+using decode_bits::e2m1_pair;
+using decode_bits::scale_bf16;
+
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -121,25 +134,6 @@ __device__ __forceinline__ std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32
   return *reinterpret_cast<std::uint32_t*>(&x);
 }
 
-// bf16 pair (value * 2^-126) of nibbles J and J + 4 of q (low half = nibble J).
-template <int J>
-__device__ __forceinline__ std::uint32_t e2m1_pair(std::uint32_t q) {
-  constexpr int kSign = 12 - 4 * J;  // nibble sign bit 4J+3 -> bf16 bit 15
-  constexpr int kMag = 6 - 4 * J;    // magnitude bits 4J..4J+2 -> bf16 bits 6..8
-  const std::uint32_t sign = (kSign >= 0 ? q << kSign : q >> -kSign) & 0x80008000u;
-  const std::uint32_t mag = (kMag >= 0 ? q << kMag : q >> -kMag) & 0x01C001C0u;
-  return sign | mag;
-}
-
-// bf16 of a block-scale byte with the kernel's fixed factor (2^118 for NVFP4).
-template <ScaleFormat F>
-__device__ __forceinline__ std::uint16_t scale_bf16(std::uint8_t b) {
-  float v = scale_to_float<F>(b);
-  if constexpr (F == ScaleFormat::nvfp4) v *= 0x1p118f;
-  const __nv_bfloat16 h = __float2bfloat16_rn(v);
-  return *reinterpret_cast<const std::uint16_t*>(&h);
-}
-
 // Epilogue factor undoing the NVFP4 folding (2^-126 from the nibbles times 2^118).
 template <ScaleFormat F>
 constexpr float kDecodeUnfold = F == ScaleFormat::nvfp4 ? 256.0f : 1.0f;
@@ -161,7 +155,8 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
   auto* ring = reinterpret_cast<uint4*>(smem);                         // [warp][stage][chunk][lane]
   auto* partial = reinterpret_cast<float*>(smem);                      // [warp][row][token], after the loop
   auto* sc = reinterpret_cast<std::uint32_t*>(smem + lay.ring_bytes);  // bf16 [row][col], pitch in words
-  auto* arow = reinterpret_cast<int*>(smem + lay.ring_bytes + lay.scale_bytes);  // [kTileM]
+  auto* raw = reinterpret_cast<std::uint32_t*>(smem + lay.ring_bytes + lay.scale_bytes);  // staged scales
+  auto* arow = reinterpret_cast<int*>(smem + lay.ring_bytes + lay.scale_bytes + lay.raw_bytes);  // [kTileM]
 
   const int e = p.tile_expert[tile];
   const std::uint32_t row0 = std::uint32_t(tile) * kTileM;
@@ -183,11 +178,11 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
 #pragma unroll
   for (int c = 0; c < kDecodeChunksPerLane; ++c)
     src[c] = w_e + std::uint64_t(wrow(16 * (c / 2) + g + 8 * (c % 2))) * row_bytes + t * 16;
-  uint4* my_ring = ring + std::size_t(warp) * lay.stages * kDecodeChunksPerLane * 32 + lane;
+  uint4* my_ring = ring + std::size_t(warp) * kDecodeStages * kDecodeChunksPerLane * 32 + lane;
   const auto issue = [&](int i) {
     if (i < my_blocks) {
       const std::uint32_t kb = warp + std::uint32_t(i) * warps;
-      uint4* dst = my_ring + (i % int(lay.stages)) * kDecodeChunksPerLane * 32;
+      uint4* dst = my_ring + (i & (kDecodeStages - 1)) * kDecodeChunksPerLane * 32;
 #pragma unroll
       for (int c = 0; c < kDecodeChunksPerLane; ++c) cp_async16(dst + c * 32, src[c] + kb * 64);
     }
@@ -204,35 +199,55 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
     valid += __syncthreads_count(slot >= 0);
   }
 
-  for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
-
   // Scale prologue: every scale column of the block's rows, as scaled bf16.
-  // Loads of a batch are issued together (latency, not bandwidth, bounds it).
-  const std::uint32_t cols = p.k / kG;
+  // The source words (the scale quads, or for CSF the words holding their
+  // offsets and the rows' base bytes) are staged by cp.async as the oldest
+  // group, ahead of the weight ring, so their latency overlaps the ring's;
+  // then every thread converts (row, quad) items i, i + blockDim, ..., stepping
+  // row and column without divisions.
+  const std::uint32_t cols = p.k / kG, quads = cols / 4, items = kDecodeRows * quads;
   auto* sc16 = reinterpret_cast<std::uint16_t*>(sc);
+  const std::uint8_t* scales_e = expert_scales<K>(p.scales, e);
+  const std::uint32_t step_r = blockDim.x / quads, step_q = blockDim.x % quads;
+  const auto advance = [&](std::uint32_t& r, std::uint32_t& q) {
+    q += step_q;
+    r += step_r;
+    if (q >= quads) {
+      q -= quads;
+      ++r;
+    }
+  };
+  std::uint32_t* raw_base = raw + items;
   {
-    constexpr int kBatch = 8;
-    const std::uint32_t quads = cols / 4, total = kDecodeRows * quads;
-    for (std::uint32_t first = tid; first < total; first += blockDim.x * kBatch) {
-      std::uint32_t v[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const std::uint32_t idx = first + j * blockDim.x;
-        if (idx < total) v[j] = scale_quad<F, K>(p.scales, e, wrow(int(idx / quads)), (idx % quads) * 4);
+    std::uint32_t r = tid / quads, q = tid % quads;
+    for (std::uint32_t idx = tid; idx < items; idx += blockDim.x) {
+      cp_async4(raw + idx, ScaleRowReader<F, K>(p.scales, scales_e, wrow(int(r))).word(4 * q));
+      advance(r, q);
+    }
+    if constexpr (K == ScaleKind::csf)
+      for (int b = tid; b < kDecodeRows; b += int(blockDim.x))
+        cp_async4(raw_base + b, ScaleRowReader<F, K>(p.scales, scales_e, wrow(b)).base_word());
+    cp_async_commit();
+  }
+  for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
+  cp_async_wait<kDecodeStages - 1>();  // the scale group
+  __syncthreads();
+  {
+    std::uint32_t r = tid / quads, q = tid % quads;
+    for (std::uint32_t idx = tid; idx < items; idx += blockDim.x) {
+      const ScaleRowReader<F, K> reader(p.scales, scales_e, wrow(int(r)));
+      const std::uint32_t base = K == ScaleKind::csf ? reader.base_from_word(raw_base[r]) : 0u;
+      const std::uint32_t w = reader.quad_from_word(raw[idx], 4 * q, base);
+      std::uint32_t* dst = sc + r * lay.scale_pitch_words + 2 * q;
+      if (!decode_bits::scale_word_special<F>(w)) {
+        dst[0] = decode_bits::scale_pair_bf16<F, 0>(w);
+        dst[1] = decode_bits::scale_pair_bf16<F, 1>(w);
+      } else {  // subnormal or NaN codes: rare, byte by byte
+        const auto cv = [&](int byte) { return std::uint32_t(scale_bf16<F>(std::uint8_t(w >> (8 * byte)))); };
+        dst[0] = cv(0) | (cv(1) << 16);
+        dst[1] = cv(2) | (cv(3) << 16);
       }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const std::uint32_t idx = first + j * blockDim.x;
-        if (idx < total) {
-          const std::uint32_t r = idx / quads, c4 = (idx % quads) * 4;
-          const auto cv = [&](int byte) {
-            return std::uint32_t(scale_bf16<F>(std::uint8_t(v[j] >> (8 * byte))));
-          };
-          std::uint32_t* dst = sc + r * lay.scale_pitch_words + c4 / 2;
-          dst[0] = cv(0) | (cv(1) << 16);
-          dst[1] = cv(2) | (cv(3) << 16);
-        }
-      }
+      advance(r, q);
     }
   }
   if constexpr (K == ScaleKind::csf) {
@@ -282,7 +297,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
     for (int i = 0; i < my_blocks; ++i) {
       issue(i + kDecodeStages - 1);
       cp_async_wait<kDecodeStages - 1>();
-      const uint4* stage = my_ring + (i % int(lay.stages)) * kDecodeChunksPerLane * 32;
+      const uint4* stage = my_ring + (i & (kDecodeStages - 1)) * kDecodeChunksPerLane * 32;
       uint4 wq[kDecodeChunksPerLane];
 #pragma unroll
       for (int c = 0; c < kDecodeChunksPerLane; ++c) wq[c] = stage[c * 32];

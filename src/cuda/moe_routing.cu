@@ -2,6 +2,7 @@
 // expert (stable: slot order inside an expert), pads every expert to whole
 // tiles of kTileM rows and writes the tile -> expert map. No host sync, no
 // allocation, deterministic (the only atomics count, and counts commute).
+#include <cub/block/block_scan.cuh>
 #include <string>
 
 #include "csfmoe/errors.hpp"
@@ -30,16 +31,19 @@ __global__ void __launch_bounds__(kRouteThreads)
       atomicAdd(&invalid, 1);
   }
   __syncthreads();
-  if (tid == 0) {
-    // E <= 1024: a serial scan is cheaper to reason about than a block scan here.
-    int run = 0;
-    for (std::uint32_t e = 0; e < experts; ++e) {
-      offset[e] = run;
-      run += (count[e] + kTileM - 1) / kTileM * kTileM;
+  {
+    // Tile-padded expert offsets: one block-wide scan (E <= kRouteThreads).
+    using Scan = cub::BlockScan<int, kRouteThreads>;
+    __shared__ typename Scan::TempStorage scan_storage;
+    const int padded = tid < int(experts) ? (count[tid] + kTileM - 1) / kTileM * kTileM : 0;
+    int start = 0, run = 0;
+    Scan(scan_storage).ExclusiveSum(padded, start, run);
+    if (tid < int(experts)) offset[tid] = start;
+    if (tid == 0) {
+      offset[experts] = run;
+      r.header[0] = run / kTileM;
+      r.header[1] = invalid;
     }
-    offset[experts] = run;
-    r.header[0] = run / kTileM;
-    r.header[1] = invalid;
   }
   __syncthreads();
   for (int e = tid; e < int(experts); e += blockDim.x) {
@@ -60,7 +64,10 @@ __global__ void __launch_bounds__(kRouteThreads)
     const unsigned peers = __match_any_sync(0xFFFFFFFFu, e);
     const int rank = __popc(peers & lt);
     int pos = 0;
-    for (int w = 0; w < int(blockDim.x / 32); ++w) {
+    // Only warps holding slots of this round take a turn (block-uniform count).
+    const int turns = int((slots - base + 31) / 32) < int(blockDim.x / 32) ? int((slots - base + 31) / 32)
+                                                                           : int(blockDim.x / 32);
+    for (int w = 0; w < turns; ++w) {
       if (warp == w) {
         const int c = e >= 0 ? cursor[e] : 0;
         __syncwarp();

@@ -81,28 +81,90 @@ __device__ __forceinline__ std::uint8_t csf_fixed_scale(const ScaleSource& s, in
   }
 }
 
-// Four consecutive scale bytes (col4 % 4 == 0) of (e, row), little-endian in
-// one word: one aligned load for dense grids, two byte loads for CSF. CSF
-// bytes are base + offset with per-byte wrap-around, as csf_fixed_scale.
+// Reader of one row's scale quads: four consecutive scale bytes (col4 % 4 ==
+// 0) of (e, row), little-endian in one word. The row's addressing is done
+// once; a quad is then one aligned load for dense grids (the 4 columns of a
+// 128x4 tile are contiguous) and one or two byte loads for CSF. CSF bytes are
+// base + offset with per-byte wrap-around, as csf_fixed_scale.
 template <ScaleFormat F, ScaleKind K>
-__device__ __forceinline__ std::uint32_t scale_quad(const ScaleSource& s, int e, std::uint32_t row,
-                                                    std::uint32_t col4) {
-  if constexpr (K == ScaleKind::csf) {
-    const std::uint8_t* slab = csf_slab<F>(s, e, row);
-    const std::uint32_t base = csf_base<F>(slab, row);
-    std::uint32_t spread;
-    if constexpr (F == ScaleFormat::nvfp4) {
-      const std::uint32_t n = nvfp4_offset_nibble(row, col4);  // nibbles n..n+3, n % 4 == 0
-      const std::uint32_t off = slab[128 + n / 2] | (std::uint32_t(slab[128 + n / 2 + 1]) << 8);
-      spread = (off & 0xFu) | ((off & 0xF0u) << 4) | ((off & 0xF00u) << 8) | ((off & 0xF000u) << 12);
+struct ScaleRowReader {
+  const std::uint8_t* row;                // dense: the row's first byte or tile slot; csf: its first offsets
+  const std::uint8_t* base_at = nullptr;  // csf: the row's base byte
+
+  // expert: expert_scales<K>(s, e), hoisted out of loops over rows. Reads nothing.
+  __device__ __forceinline__ ScaleRowReader(const ScaleSource& s, const std::uint8_t* expert,
+                                            std::uint32_t r) {
+    if constexpr (K == ScaleKind::csf) {
+      const std::uint8_t* slab = expert + std::uint64_t(r / csf_slab_rows(F)) * s.slab_bytes;
+      base_at = F == ScaleFormat::nvfp4 ? slab + (r % 32) * 4 + (r % 128) / 32 : slab + r % 16;
+      if constexpr (F == ScaleFormat::nvfp4)
+        row = slab + 128 + nvfp4_offset_nibble(r, 0) / 2;
+      else
+        row = slab + mxfp4_offset_byte(s, r, 0);
+    } else if constexpr (K == ScaleKind::dense_swizzled) {
+      row = expert + swizzled_index(r, 0, s.cols);
     } else {
-      const std::uint32_t bits = (slab[mxfp4_offset_byte(s, row, col4)] >> (col4 % 8)) & 0xFu;
-      spread = (bits & 1u) | ((bits & 2u) << 7) | ((bits & 4u) << 14) | ((bits & 8u) << 21);
+      row = expert + std::uint64_t(r) * s.cols;
     }
-    return __vadd4(spread, base * 0x01010101u);
-  } else {
-    return *reinterpret_cast<const std::uint32_t*>(s.dense + dense_index<K>(s, e, row, col4));
   }
+
+  // csf: the aligned word holding the row's base byte, and the byte from it.
+  __device__ __forceinline__ const std::uint32_t* base_word() const {
+    return reinterpret_cast<const std::uint32_t*>(reinterpret_cast<std::uintptr_t>(base_at) &
+                                                  ~std::uintptr_t(3));
+  }
+  __device__ __forceinline__ std::uint32_t base_from_word(std::uint32_t w) const {
+    return (w >> (8 * (std::uint32_t(reinterpret_cast<std::uintptr_t>(base_at)) & 3u))) & 0xFFu;
+  }
+
+  // The aligned 32-bit source word of quad col4, to be copied as is (a
+  // cp.async stage) and decoded by quad_from_word: the quad itself for dense
+  // grids, the word holding its offsets for CSF.
+  __device__ __forceinline__ const std::uint32_t* word(std::uint32_t col4) const {
+    if constexpr (K == ScaleKind::csf) {
+      // NVFP4: 4 offset nibbles at byte col4 * 64 (even); MXFP4: 4 bits of byte col4 / 8.
+      const std::uint8_t* at = F == ScaleFormat::nvfp4 ? row + col4 * 64 : row + col4 / 8;
+      return reinterpret_cast<const std::uint32_t*>(reinterpret_cast<std::uintptr_t>(at) &
+                                                    ~std::uintptr_t(3));
+    } else if constexpr (K == ScaleKind::dense_swizzled) {
+      return reinterpret_cast<const std::uint32_t*>(row + col4 * 128);  // next 128x4 tile: 512 bytes
+    } else {
+      return reinterpret_cast<const std::uint32_t*>(row + col4);
+    }
+  }
+
+  // Quad col4 from its source word (word(col4) read or staged); base: the
+  // row's base byte (csf only).
+  __device__ __forceinline__ std::uint32_t quad_from_word(std::uint32_t w, std::uint32_t col4,
+                                                          std::uint32_t base) const {
+    if constexpr (K == ScaleKind::csf) {
+      const std::uint32_t lane =
+          std::uint32_t(reinterpret_cast<std::uintptr_t>(row)) & 3u;  // byte in the word
+      std::uint32_t spread;
+      if constexpr (F == ScaleFormat::nvfp4) {
+        const std::uint32_t off = (w >> (8 * lane)) & 0xFFFFu;  // col4 * 64 keeps the row's byte lane
+        spread = (off & 0xFu) | ((off & 0xF0u) << 4) | ((off & 0xF00u) << 8) | ((off & 0xF000u) << 12);
+      } else {
+        const std::uint32_t at = lane + col4 / 8;
+        const std::uint32_t bits = (w >> (8 * (at & 3u) + col4 % 8)) & 0xFu;
+        spread = (bits & 1u) | ((bits & 2u) << 7) | ((bits & 4u) << 14) | ((bits & 8u) << 21);
+      }
+      return __vadd4(spread, base * 0x01010101u);
+    } else {
+      return w;
+    }
+  }
+
+  __device__ __forceinline__ std::uint32_t quad(std::uint32_t col4) const {
+    return quad_from_word(*word(col4), col4, K == ScaleKind::csf ? *base_at : 0u);
+  }
+};
+
+// Start of expert e's scales: its dense grid or its CSF fixed part.
+template <ScaleKind K>
+__device__ __forceinline__ const std::uint8_t* expert_scales(const ScaleSource& s, int e) {
+  return K == ScaleKind::csf ? s.fixed + std::uint64_t(e) * s.fixed_per_expert
+                             : s.dense + std::uint64_t(e) * s.expert_stride;
 }
 
 }  // namespace csfmoe::moe_detail

@@ -1,0 +1,88 @@
+// Bit-level conversions of the decode kernel (src/cuda/moe_decode.cuh).
+//
+// Plain integer code, host and device, so that the CPU tests can check every
+// input exhaustively (tests/cpu/test_decode_bits.cpp) against the format
+// decoders of csfmoe/formats.hpp.
+#pragma once
+
+#include <cstdint>
+
+#include "csfmoe/formats.hpp"
+
+namespace csfmoe::moe_detail::decode_bits {
+
+// bf16 pair (value * 2^-126) of the E2M1 nibbles J and J + 4 of q (low half:
+// nibble J). Placing the 3 magnitude bits at bf16 bits 8..6 gives the value
+// times 2^-126 exactly (E2M1's subnormal 0.5 lands on bf16's subnormal range),
+// and the sign goes to bit 15. The nibble, masked alone in each 16-bit half,
+// is multiplied by 2^(6-4j) + 2^(12-4j): one integer multiply makes two
+// copies, one with the magnitude at bits 8..6 and one with the sign at bit 15,
+// in disjoint bit ranges (6..9 and 12..15 of each half, so no carries), and
+// one mask keeps those four bits. Three instructions per pair, one of them on
+// the FMA pipe, where the plain shift-and-mask form needs four. Nibbles 2 and
+// 3 of each half are first moved down to 0 and 1 (one shift for two pairs).
+template <int J>
+CSFMOE_HD std::uint32_t e2m1_pair(std::uint32_t q) {
+  static_assert(J >= 0 && J < 4);
+  constexpr int kLow = J & 1;  // nibble position within the shifted half
+  const std::uint32_t src = J < 2 ? q : q >> 8;
+  const std::uint32_t x = src & (0x000F000Fu << (4 * kLow));
+  constexpr std::uint32_t kCopies = (1u << (6 - 4 * kLow)) + (1u << (12 - 4 * kLow));
+  return (x * kCopies) & 0x81C081C0u;
+}
+
+// Fixed factor folded into NVFP4 scales: 2^118 * 2^-126 (the nibbles) = 2^-8,
+// undone in the kernel's epilogue. MXFP4 scales (2^-127..2^127) do not fold.
+constexpr float kNvfp4ScaleFold = 0x1p118f;
+
+// Exact bf16 bits of a block-scale byte times the fixed factor; NaN codes
+// give 0x7FFF (as __float2bfloat16_rn does). Every such value has at most 3
+// significant bits, so the top half of the float's bits is the bf16.
+template <ScaleFormat F>
+CSFMOE_HD std::uint16_t scale_bf16(std::uint8_t b) {
+  const float v = F == ScaleFormat::nvfp4 ? e4m3fn_to_float(b) * kNvfp4ScaleFold : e8m0_to_float(b);
+  const std::uint32_t u = detail::float_to_bits(v);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FFF;
+  return std::uint16_t(u >> 16);
+}
+
+// True when a word of four scale bytes holds a byte that the packed path
+// below does not convert: NVFP4 subnormals (exponent 0) and NaN (x111'1111),
+// MXFP4 0x00 (2^-127, a bf16 subnormal) and 0xFF (NaN). Byte-parallel tests:
+// haszero(x) = (x - 0x01..) & ~x & 0x80.. is exact as a predicate.
+template <ScaleFormat F>
+CSFMOE_HD bool scale_word_special(std::uint32_t v) {
+  const auto has_zero_byte = [](std::uint32_t x) { return ((x - 0x01010101u) & ~x & 0x80808080u) != 0; };
+  if constexpr (F == ScaleFormat::nvfp4) {
+    const std::uint32_t mag = v & 0x7F7F7F7Fu;  // bytes <= 0x7F: +1 sets bit 7 only for 0x7F
+    return has_zero_byte(v & 0x78787878u) || ((mag + 0x01010101u) & 0x80808080u) != 0;
+  } else {
+    return has_zero_byte(v) || has_zero_byte(~v);
+  }
+}
+
+// Bytes 2P and 2P + 1 of v into the low byte of each 16-bit half.
+template <int P>
+CSFMOE_HD std::uint32_t spread_byte_pair(std::uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(v, 0u, P == 0 ? 0x4140 : 0x4342);
+#else
+  const std::uint32_t two = P == 0 ? v : v >> 16;
+  return (two & 0xFFu) | ((two & 0xFF00u) << 8);
+#endif
+}
+
+// bf16 pair (scale_bf16 of bytes 2P, 2P + 1 of v) by bit assembly, exact when
+// !scale_word_special(v): E4M3 exponent e (1..15) and mantissa m become bf16
+// exponent e + 238 (the rebias 127 - 7 plus the fold 118) and mantissa m << 4;
+// E8M0 byte v becomes bf16 exponent v.
+template <ScaleFormat F, int P>
+CSFMOE_HD std::uint32_t scale_pair_bf16(std::uint32_t v) {
+  const std::uint32_t t = spread_byte_pair<P>(v);
+  if constexpr (F == ScaleFormat::nvfp4)
+    return ((t & 0x007F007Fu) * 16u + 0x77007700u) | ((t << 8) & 0x80008000u);
+  else
+    return t << 7;
+}
+
+}  // namespace csfmoe::moe_detail::decode_bits

@@ -1,0 +1,127 @@
+// The decode kernel's bit-level conversions (src/cuda/moe_decode_bits.cuh),
+// compiled for the host: every E2M1 nibble pair at every position, every
+// scale byte alone and in packed words, against the format decoders.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+
+#include "csfmoe/formats.hpp"
+#include "cuda/moe_decode_bits.cuh"
+#include "test_seed.hpp"
+
+namespace csfmoe::moe_detail::decode_bits {
+namespace {
+
+float bf16_value(std::uint32_t bits16) {
+  const std::uint32_t u = bits16 << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <int J>
+void check_pair(std::uint32_t q) {
+  const std::uint32_t pair = e2m1_pair<J>(q);
+  const std::uint32_t lo = (q >> (4 * J)) & 0xFu, hi = (q >> (4 * (J + 4))) & 0xFu;
+  // value * 2^-126, sign included (negative zero stays negative zero).
+  const float want_lo = std::ldexp(e2m1_to_float(std::uint8_t(lo)), -126);
+  const float want_hi = std::ldexp(e2m1_to_float(std::uint8_t(hi)), -126);
+  const float got_lo = bf16_value(pair & 0xFFFFu), got_hi = bf16_value(pair >> 16);
+  ASSERT_EQ(got_lo, want_lo) << "J=" << J << " q=" << std::hex << q;
+  ASSERT_EQ(got_hi, want_hi) << "J=" << J << " q=" << std::hex << q;
+  ASSERT_EQ(std::signbit(got_lo), (lo & 8u) != 0) << "J=" << J << " q=" << std::hex << q;
+  ASSERT_EQ(std::signbit(got_hi), (hi & 8u) != 0) << "J=" << J << " q=" << std::hex << q;
+}
+
+TEST(DecodeBits, E2m1PairsEveryNibblePairAtEveryPosition) {
+  // Each pair (J, J + 4) takes all 256 combinations while the other six
+  // nibbles hold random bits (they must not leak into the pair).
+  CSFMOE_SEEDED(seed);
+  std::mt19937 rng(std::uint32_t(seed ^ (seed >> 32)));
+  for (int rep = 0; rep < 16; ++rep)
+    for (std::uint32_t a = 0; a < 16; ++a)
+      for (std::uint32_t b = 0; b < 16; ++b) {
+        const std::uint32_t noise = rng();
+        const auto with = [&](int j) {
+          const std::uint32_t keep = ~((0xFu << (4 * j)) | (0xFu << (4 * (j + 4))));
+          return (noise & keep) | (a << (4 * j)) | (b << (4 * (j + 4)));
+        };
+        check_pair<0>(with(0));
+        check_pair<1>(with(1));
+        check_pair<2>(with(2));
+        check_pair<3>(with(3));
+      }
+}
+
+template <ScaleFormat F>
+void check_scale_bytes() {
+  for (unsigned b = 0; b < 256; ++b) {
+    const float v =
+        F == ScaleFormat::nvfp4 ? e4m3fn_to_float(std::uint8_t(b)) : e8m0_to_float(std::uint8_t(b));
+    const std::uint16_t got = scale_bf16<F>(std::uint8_t(b));
+    if (std::isnan(v)) {
+      EXPECT_EQ(got, 0x7FFF) << b;
+      continue;
+    }
+    const float want = F == ScaleFormat::nvfp4 ? std::ldexp(v, 118) : v;
+    EXPECT_EQ(bf16_value(got), want) << b;
+    EXPECT_EQ(std::signbit(bf16_value(got)), std::signbit(want)) << b;
+  }
+}
+
+TEST(DecodeBits, ScaleBytesExact) {
+  check_scale_bytes<ScaleFormat::nvfp4>();
+  check_scale_bytes<ScaleFormat::mxfp4>();
+}
+
+template <ScaleFormat F>
+void check_scale_word(std::uint32_t v) {
+  bool special = false;
+  for (int i = 0; i < 4; ++i) {
+    const unsigned b = (v >> (8 * i)) & 0xFFu;
+    if (F == ScaleFormat::nvfp4)
+      special |= (b & 0x78u) == 0 || (b & 0x7Fu) == 0x7Fu;
+    else
+      special |= b == 0 || b == 0xFFu;
+  }
+  ASSERT_EQ(scale_word_special<F>(v), special) << std::hex << v;
+  if (special) return;
+  const std::uint32_t p0 = scale_pair_bf16<F, 0>(v), p1 = scale_pair_bf16<F, 1>(v);
+  const auto want = [&](int i) { return std::uint32_t(scale_bf16<F>(std::uint8_t(v >> (8 * i)))); };
+  ASSERT_EQ(p0, want(0) | (want(1) << 16)) << std::hex << v;
+  ASSERT_EQ(p1, want(2) | (want(3) << 16)) << std::hex << v;
+}
+
+TEST(DecodeBits, PackedScaleWordsMatchBytewiseConversion) {
+  // Every byte at every position of the word (the others random), then
+  // random words, then words built from the special bytes only.
+  CSFMOE_SEEDED(seed);
+  std::mt19937 rng(std::uint32_t(seed ^ (seed >> 32)));
+  for (int pos = 0; pos < 4; ++pos)
+    for (std::uint32_t b = 0; b < 256; ++b)
+      for (int rep = 0; rep < 8; ++rep) {
+        const std::uint32_t v = (rng() & ~(0xFFu << (8 * pos))) | (b << (8 * pos));
+        check_scale_word<ScaleFormat::nvfp4>(v);
+        check_scale_word<ScaleFormat::mxfp4>(v);
+      }
+  for (int rep = 0; rep < 200000; ++rep) {
+    const std::uint32_t v = rng();
+    check_scale_word<ScaleFormat::nvfp4>(v);
+    check_scale_word<ScaleFormat::mxfp4>(v);
+  }
+  const std::uint8_t edge[] = {0x00, 0x01, 0x07, 0x08, 0x77, 0x78, 0x7E, 0x7F, 0x80, 0x87, 0x88, 0xFE, 0xFF};
+  for (std::uint8_t a : edge)
+    for (std::uint8_t b : edge)
+      for (std::uint8_t c : edge)
+        for (std::uint8_t d : edge) {
+          const std::uint32_t v = a | (b << 8) | (c << 16) | (std::uint32_t(d) << 24);
+          check_scale_word<ScaleFormat::nvfp4>(v);
+          check_scale_word<ScaleFormat::mxfp4>(v);
+        }
+}
+
+}  // namespace
+}  // namespace csfmoe::moe_detail::decode_bits
