@@ -55,6 +55,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/moe_decode_bits.cuh"
 #include "cuda/moe_kernels.cuh"
@@ -203,53 +204,79 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
   // The source words (the scale quads, or for CSF the words holding their
   // offsets and the rows' base bytes) are staged by cp.async as the oldest
   // group, ahead of the weight ring, so their latency overlaps the ring's;
-  // then every thread converts (row, quad) items i, i + blockDim, ..., stepping
-  // row and column without divisions.
-  const std::uint32_t cols = p.k / kG, quads = cols / 4, items = kDecodeRows * quads;
+  // then every thread converts (row, unit) items i, i + blockDim, ..., a unit
+  // being W consecutive quads (W = 4, one 16-byte copy, for row-major grids
+  // whose rows are whole 16-byte chunks; else 1), stepping row and unit
+  // without divisions.
+  const float global_scale = p.global ? p.global[e] : 1.0f;  // loaded early: used after the loop
+  const std::uint32_t cols = p.k / kG, quads = cols / 4;
   auto* sc16 = reinterpret_cast<std::uint16_t*>(sc);
   const std::uint8_t* scales_e = expert_scales<K>(p.scales, e);
-  const std::uint32_t step_r = blockDim.x / quads, step_q = blockDim.x % quads;
-  const auto advance = [&](std::uint32_t& r, std::uint32_t& q) {
-    q += step_q;
-    r += step_r;
-    if (q >= quads) {
-      q -= quads;
-      ++r;
+  std::uint32_t* raw_base = raw + kDecodeRows * quads;
+  const auto stage_and_convert = [&](auto unit_quads) {
+    constexpr int W = decltype(unit_quads)::value;
+    const std::uint32_t per_row = quads / W, items = kDecodeRows * per_row;
+    const std::uint32_t step_r = blockDim.x / per_row, step_u = blockDim.x % per_row;
+    const auto advance = [&](std::uint32_t& r, std::uint32_t& u) {
+      u += step_u;
+      r += step_r;
+      if (u >= per_row) {
+        u -= per_row;
+        ++r;
+      }
+    };
+    {
+      std::uint32_t r = tid / per_row, u = tid % per_row;
+      for (std::uint32_t idx = tid; idx < items; idx += blockDim.x) {
+        const std::uint32_t* src = ScaleRowReader<F, K>(p.scales, scales_e, wrow(int(r))).word(4 * W * u);
+        if constexpr (W == 4)
+          cp_async16(raw + W * idx, src);
+        else
+          cp_async4(raw + idx, src);
+        advance(r, u);
+      }
+      if constexpr (K == ScaleKind::csf)
+        for (int b = tid; b < kDecodeRows; b += int(blockDim.x))
+          cp_async4(raw_base + b, ScaleRowReader<F, K>(p.scales, scales_e, wrow(b)).base_word());
+      cp_async_commit();
     }
-  };
-  std::uint32_t* raw_base = raw + items;
-  {
-    std::uint32_t r = tid / quads, q = tid % quads;
-    for (std::uint32_t idx = tid; idx < items; idx += blockDim.x) {
-      cp_async4(raw + idx, ScaleRowReader<F, K>(p.scales, scales_e, wrow(int(r))).word(4 * q));
-      advance(r, q);
-    }
-    if constexpr (K == ScaleKind::csf)
-      for (int b = tid; b < kDecodeRows; b += int(blockDim.x))
-        cp_async4(raw_base + b, ScaleRowReader<F, K>(p.scales, scales_e, wrow(b)).base_word());
-    cp_async_commit();
-  }
-  for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
-  cp_async_wait<kDecodeStages - 1>();  // the scale group
-  __syncthreads();
-  {
-    std::uint32_t r = tid / quads, q = tid % quads;
+    for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
+    cp_async_wait<kDecodeStages - 1>();  // the scale group
+    __syncthreads();
+    std::uint32_t r = tid / per_row, u = tid % per_row;
     for (std::uint32_t idx = tid; idx < items; idx += blockDim.x) {
       const ScaleRowReader<F, K> reader(p.scales, scales_e, wrow(int(r)));
       const std::uint32_t base = K == ScaleKind::csf ? reader.base_from_word(raw_base[r]) : 0u;
-      const std::uint32_t w = reader.quad_from_word(raw[idx], 4 * q, base);
-      std::uint32_t* dst = sc + r * lay.scale_pitch_words + 2 * q;
-      if (!decode_bits::scale_word_special<F>(w)) {
-        dst[0] = decode_bits::scale_pair_bf16<F, 0>(w);
-        dst[1] = decode_bits::scale_pair_bf16<F, 1>(w);
-      } else {  // subnormal or NaN codes: rare, byte by byte
-        const auto cv = [&](int byte) { return std::uint32_t(scale_bf16<F>(std::uint8_t(w >> (8 * byte)))); };
-        dst[0] = cv(0) | (cv(1) << 16);
-        dst[1] = cv(2) | (cv(3) << 16);
+      std::uint32_t words[W];
+      if constexpr (W == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(raw + W * idx);
+        words[0] = v.x, words[1] = v.y, words[2] = v.z, words[3] = v.w;
+      } else {
+        words[0] = raw[idx];
       }
-      advance(r, q);
+      std::uint32_t out[2 * W];
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        const std::uint32_t w = reader.quad_from_word(words[j], 4 * (W * u + j), base);
+        if (!decode_bits::scale_word_special<F>(w)) {
+          out[2 * j] = decode_bits::scale_pair_bf16<F, 0>(w);
+          out[2 * j + 1] = decode_bits::scale_pair_bf16<F, 1>(w);
+        } else {  // subnormal or NaN codes: rare, byte by byte
+          const auto cv = [&](int byte) { return std::uint32_t(scale_bf16<F>(std::uint8_t(w >> (8 * byte)))); };
+          out[2 * j] = cv(0) | (cv(1) << 16);
+          out[2 * j + 1] = cv(2) | (cv(3) << 16);
+        }
+      }
+      std::uint32_t* dst = sc + r * lay.scale_pitch_words + 2 * W * u;
+#pragma unroll
+      for (int j = 0; j < 2 * W; ++j) dst[j] = out[j];
+      advance(r, u);
     }
-  }
+  };
+  if (K == ScaleKind::dense_row_major && quads % 4 == 0)
+    stage_and_convert(std::integral_constant<int, 4>{});
+  else
+    stage_and_convert(std::integral_constant<int, 1>{});
   if constexpr (K == ScaleKind::csf) {
     __syncthreads();
     // Exception records of a row are (position, byte); one warp per row.
@@ -267,7 +294,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
   }
   __syncthreads();
 
-  const float gs = (p.global ? p.global[e] : 1.0f) * kDecodeUnfold<F>;
+  const float gs = global_scale * kDecodeUnfold<F>;
   const std::uint16_t* x_base = p.a;
   for (int tok0 = 0; tok0 < valid; tok0 += 8 * NT) {
     const int left = valid - tok0;
