@@ -347,9 +347,12 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   gp.gate_row0 = g.order == GateUpOrder::w13 ? 0 : g.intermediate;
   gp.up_row0 = g.order == GateUpOrder::w13 ? g.intermediate : 0;
   gp.act = act;
+  // Token passes of 8 up to 32 tokens: at those sizes nearly every expert
+  // tile holds at most 8 rows (one pass), and the 32-token variant's larger
+  // register set (it spills) makes it slower per pass; above, passes of 32.
   const moe_detail::GemmPath path = b.kernel_for(tokens) == MoeKernel::tiled ? moe_detail::GemmPath::tiled
-                                    : tokens <= 8                            ? moe_detail::GemmPath::decode_8
-                                                  : moe_detail::GemmPath::decode_32;
+                                    : tokens <= 32                           ? moe_detail::GemmPath::decode_8
+                                                   : moe_detail::GemmPath::decode_32;
   moe_detail::launch_gate_up(p.format, path, gp, b.stream_);
 
   moe_detail::GemmParams dp = gp;
