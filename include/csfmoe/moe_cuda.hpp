@@ -101,8 +101,10 @@ struct MoeBindOptions {
   // Calls with T <= decode_max_tokens run the decode kernel, larger ones the
   // tiled kernel; 0 means always tiled. Layers whose H or N is not a multiple
   // of 128, or whose decode kernel would not fit the device's shared memory,
-  // always run tiled.
-  std::uint32_t decode_max_tokens = 1024;
+  // always run tiled. The default covers every size measured on the H200
+  // (T = 1..8192), where the decode kernel was the faster of the two
+  // (bench/RESULTS.md).
+  std::uint32_t decode_max_tokens = 8192;
 };
 
 // A frozen launch configuration: stream, token bound, workspace, and the rule
