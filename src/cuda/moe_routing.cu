@@ -65,8 +65,7 @@ __global__ void __launch_bounds__(kRouteThreads)
     const int rank = __popc(peers & lt);
     int pos = 0;
     // Only warps holding slots of this round take a turn (block-uniform count).
-    const int turns = int((slots - base + 31) / 32) < int(blockDim.x / 32) ? int((slots - base + 31) / 32)
-                                                                           : int(blockDim.x / 32);
+    const int turns = min(int(blockDim.x / 32), int((slots - base + 31) / 32));
     for (int w = 0; w < turns; ++w) {
       if (warp == w) {
         const int c = e >= 0 ? cursor[e] : 0;

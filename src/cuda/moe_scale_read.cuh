@@ -26,13 +26,17 @@ __device__ __forceinline__ float e2m1_bits_to_float(std::uint32_t code) {
   return __uint_as_float(bits | ((code & 8u) << 28));
 }
 
-// Byte index of (e, row, col) in a dense grid.
+// Byte index of (row, col) in one expert's dense grid, and of (e, row, col).
+template <ScaleKind K>
+__device__ __forceinline__ std::uint64_t dense_index_in_expert(const ScaleSource& s, std::uint32_t row,
+                                                               std::uint32_t col) {
+  return K == ScaleKind::dense_swizzled ? swizzled_index(row, col, s.cols)
+                                        : std::uint64_t(row) * s.cols + col;
+}
 template <ScaleKind K>
 __device__ __forceinline__ std::uint64_t dense_index(const ScaleSource& s, int e, std::uint32_t row,
                                                      std::uint32_t col) {
-  const std::uint64_t in_expert =
-      K == ScaleKind::dense_swizzled ? swizzled_index(row, col, s.cols) : std::uint64_t(row) * s.cols + col;
-  return std::uint64_t(e) * s.expert_stride + in_expert;
+  return std::uint64_t(e) * s.expert_stride + dense_index_in_expert<K>(s, row, col);
 }
 
 // Scale byte (e, row, col) from a dense grid.
@@ -50,11 +54,12 @@ __device__ __forceinline__ const std::uint8_t* csf_slab(const ScaleSource& s, in
          std::uint64_t(row / csf_slab_rows(F)) * s.slab_bytes;
 }
 template <ScaleFormat F>
+__device__ __forceinline__ std::uint32_t csf_base_index(std::uint32_t row) {
+  return F == ScaleFormat::nvfp4 ? (row % 32) * 4 + (row % 128) / 32 : row % 16;
+}
+template <ScaleFormat F>
 __device__ __forceinline__ std::uint8_t csf_base(const std::uint8_t* slab, std::uint32_t row) {
-  if constexpr (F == ScaleFormat::nvfp4)
-    return slab[(row % 32) * 4 + (row % 128) / 32];
-  else
-    return slab[row % 16];
+  return slab[csf_base_index<F>(row)];
 }
 // NVFP4: nibble index of (row, col) after the 128 base bytes (128x4 tiles).
 __device__ __forceinline__ std::uint32_t nvfp4_offset_nibble(std::uint32_t row, std::uint32_t col) {
@@ -83,9 +88,10 @@ __device__ __forceinline__ std::uint8_t csf_fixed_scale(const ScaleSource& s, in
 
 // Reader of one row's scale quads: four consecutive scale bytes (col4 % 4 ==
 // 0) of (e, row), little-endian in one word. The row's addressing is done
-// once; a quad is then one aligned load for dense grids (the 4 columns of a
-// 128x4 tile are contiguous) and one or two byte loads for CSF. CSF bytes are
-// base + offset with per-byte wrap-around, as csf_fixed_scale.
+// once; a quad's source is then one aligned word (word), for dense grids the
+// quad itself (the 4 columns of a 128x4 tile are contiguous), for CSF the
+// word holding its offsets, decoded by quad_from_word: CSF bytes are base +
+// offset with per-byte wrap-around, as csf_fixed_scale.
 template <ScaleFormat F, ScaleKind K>
 struct ScaleRowReader {
   const std::uint8_t* row;                // dense: the row's first byte or tile slot; csf: its first offsets
@@ -96,15 +102,13 @@ struct ScaleRowReader {
                                             std::uint32_t r) {
     if constexpr (K == ScaleKind::csf) {
       const std::uint8_t* slab = expert + std::uint64_t(r / csf_slab_rows(F)) * s.slab_bytes;
-      base_at = F == ScaleFormat::nvfp4 ? slab + (r % 32) * 4 + (r % 128) / 32 : slab + r % 16;
+      base_at = slab + csf_base_index<F>(r);
       if constexpr (F == ScaleFormat::nvfp4)
         row = slab + 128 + nvfp4_offset_nibble(r, 0) / 2;
       else
         row = slab + mxfp4_offset_byte(s, r, 0);
-    } else if constexpr (K == ScaleKind::dense_swizzled) {
-      row = expert + swizzled_index(r, 0, s.cols);
     } else {
-      row = expert + std::uint64_t(r) * s.cols;
+      row = expert + dense_index_in_expert<K>(s, r, 0);
     }
   }
 
@@ -153,10 +157,6 @@ struct ScaleRowReader {
     } else {
       return w;
     }
-  }
-
-  __device__ __forceinline__ std::uint32_t quad(std::uint32_t col4) const {
-    return quad_from_word(*word(col4), col4, K == ScaleKind::csf ? *base_at : 0u);
   }
 };
 
