@@ -32,15 +32,18 @@
 //    (Measured alternative, not kept: a 256-entry bf16-pair table with one
 //    copy per shared-memory bank. Its 32 KB per block halved the blocks per
 //    SM and its fill dominated short blocks: 2x slower. docs/performance.md.)
-//  * Scales staged once per block. All block-scale bytes of the block's rows
-//    (the whole K) are converted to bf16 into shared memory before the main
-//    loop, by the ScaleKind policy: dense, swizzled, or CSF base + offset
-//    with exceptions patched. Four bytes convert by bit assembly in a few
-//    instructions; words holding a subnormal or NaN code take the exact
-//    byte-wise path (the float decoder of this prologue once cost as many
-//    instructions as the whole main loop). Only this prologue differs between
-//    scale modes, so all modes produce identical bits; the weight ring is
-//    already filling while it runs.
+//  * Scales in the ring. Each lane copies, next to its weight chunks, the
+//    one aligned word per row and K block that holds the block-scale bytes
+//    it needs (LaneScales, src/cuda/moe_scale_read.cuh: the scale quad of a
+//    dense or swizzled grid, the offset word of CSF), and converts them in the
+//    loop: gather the bytes of two rows into one word, four bytes to bf16 by
+//    bit assembly, words holding a subnormal or NaN code by the exact
+//    byte-wise path. CSF adds base + offset and patches exception slots from
+//    the records (LaneExceptions: one comparison per K block without one).
+//    So no block waits for a scale prologue before its first MMA, and all
+//    scale modes produce identical bits. (Measured predecessor: all scales of
+//    the block's rows staged and converted into shared memory before the
+//    loop; that start-up was 38 % of the warp samples at T = 1.)
 //  * K split across warps. The W warps of a block share its 32 weight rows
 //    and take K blocks warp, warp + W, ...; partial sums meet in shared memory
 //    in a fixed order (deterministic) before the epilogue (SiLU(gate) * up or
@@ -69,18 +72,19 @@ constexpr int kDecodeStages = 4;         // cp.async ring depth per warp (K bloc
 constexpr int kDecodeKBlock = 128;       // K per lane quad and step: 4 lanes x 32 values
 constexpr int kDecodeChunksPerLane = 4;  // 16-byte chunks per lane and K block (4 rows)
 
+// Per-warp ring stage: the lanes' weight chunks, then one uint4 of scale
+// source words per lane.
+constexpr int kDecodeStageVecs = (kDecodeChunksPerLane + 1) * 32;
+
 // Host and device agree on the dynamic shared memory layout through these.
 struct DecodeSmem {
   std::uint32_t warps = 0, nt = 0;
-  std::uint32_t scale_pitch_words = 0;  // bf16 scale row pitch in 32-bit words
-  std::uint32_t ring_bytes = 0;         // per-warp rings, later the partial sums
-  std::uint32_t scale_bytes = 0;
-  std::uint32_t raw_bytes = 0;  // staged source words of the scales: [row][quad], then 32 base words
+  std::uint32_t ring_bytes = 0;  // per-warp rings, later the partial sums
   std::uint32_t total = 0;
 };
 
 // Shape of a decode launch over K (the projection's reduction size).
-CSFMOE_HD DecodeSmem decode_smem(std::uint32_t k, std::uint32_t group, std::uint32_t nt) {
+CSFMOE_HD DecodeSmem decode_smem(std::uint32_t k, std::uint32_t nt) {
   DecodeSmem s;
   const std::uint32_t kblocks = k / kDecodeKBlock;
   // About 4 K blocks per warp: long rows get 8 warps, short ones smaller
@@ -88,15 +92,10 @@ CSFMOE_HD DecodeSmem decode_smem(std::uint32_t k, std::uint32_t group, std::uint
   const std::uint32_t want = (kblocks + 3) / 4;
   s.warps = want < 1 ? 1 : (want > kDecodeMaxWarps ? kDecodeMaxWarps : want);
   s.nt = nt;
-  // Pitch = 4 (mod 32) words: the 8 rows x 4 lanes of a quad-row read hit 32 banks.
-  const std::uint32_t words = (k / group) / 2;
-  s.scale_pitch_words = (words + 31) / 32 * 32 + 4;
-  const std::uint32_t ring = s.warps * kDecodeStages * kDecodeChunksPerLane * 32 * 16;
+  const std::uint32_t ring = s.warps * kDecodeStages * kDecodeStageVecs * 16;
   const std::uint32_t partial = s.warps * kDecodeRows * 8 * nt * 4;
   s.ring_bytes = ring > partial ? ring : partial;
-  s.scale_bytes = kDecodeRows * s.scale_pitch_words * 4;
-  s.raw_bytes = kDecodeRows * (k / group / 4) * 4 + kDecodeRows * 4;
-  s.total = s.ring_bytes + s.scale_bytes + s.raw_bytes + kTileM * 4;
+  s.total = s.ring_bytes + kTileM * 4;
   return s;
 }
 
@@ -144,20 +143,16 @@ constexpr float kDecodeUnfold = F == ScaleFormat::nvfp4 ? 256.0f : 1.0f;
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
 __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(GemmParams p) {
   using namespace decode;
-  constexpr int kG = int(group_size(F));
-  constexpr int kScaleCols = kDecodeKBlock / kG;  // scale columns per K block: 8 or 4
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int tile = blockIdx.x;
   if (tile >= p.header[0]) return;
-  const DecodeSmem lay = decode_smem(p.k, kG, NT);
+  const DecodeSmem lay = decode_smem(p.k, NT);
   const int warps = int(lay.warps);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  auto* ring = reinterpret_cast<uint4*>(smem);                         // [warp][stage][chunk][lane]
-  auto* partial = reinterpret_cast<float*>(smem);                      // [warp][row][token], after the loop
-  auto* sc = reinterpret_cast<std::uint32_t*>(smem + lay.ring_bytes);  // bf16 [row][col], pitch in words
-  auto* raw = reinterpret_cast<std::uint32_t*>(smem + lay.ring_bytes + lay.scale_bytes);  // staged scales
-  auto* arow = reinterpret_cast<int*>(smem + lay.ring_bytes + lay.scale_bytes + lay.raw_bytes);  // [kTileM]
+  auto* ring = reinterpret_cast<uint4*>(smem);                 // [warp][stage][chunk + scales][lane]
+  auto* partial = reinterpret_cast<float*>(smem);              // [warp][row][token], after the loop
+  auto* arow = reinterpret_cast<int*>(smem + lay.ring_bytes);  // [kTileM]
 
   const int e = p.tile_expert[tile];
   const std::uint32_t row0 = std::uint32_t(tile) * kTileM;
@@ -175,20 +170,29 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
   const std::uint64_t row_bytes = p.k / 2;
   const std::uint8_t* w_e = p.w + std::uint64_t(e) * p.out_rows * row_bytes;
   // Lane chunk c = 2i + h holds row 16i + g + 8h.
+  std::uint32_t rows[kDecodeChunksPerLane];
   const std::uint8_t* src[kDecodeChunksPerLane];
 #pragma unroll
-  for (int c = 0; c < kDecodeChunksPerLane; ++c)
-    src[c] = w_e + std::uint64_t(wrow(16 * (c / 2) + g + 8 * (c % 2))) * row_bytes + t * 16;
-  uint4* my_ring = ring + std::size_t(warp) * kDecodeStages * kDecodeChunksPerLane * 32 + lane;
+  for (int c = 0; c < kDecodeChunksPerLane; ++c) {
+    rows[c] = wrow(16 * (c / 2) + g + 8 * (c % 2));
+    src[c] = w_e + std::uint64_t(rows[c]) * row_bytes + t * 16;
+  }
+  const LaneScales<F, K> lane_scales(p.scales, expert_scales<K>(p.scales, e), rows, t);
+  uint4* my_ring = ring + std::size_t(warp) * kDecodeStages * kDecodeStageVecs + lane;
   const auto issue = [&](int i) {
     if (i < my_blocks) {
       const std::uint32_t kb = warp + std::uint32_t(i) * warps;
-      uint4* dst = my_ring + (i & (kDecodeStages - 1)) * kDecodeChunksPerLane * 32;
+      uint4* dst = my_ring + (i & (kDecodeStages - 1)) * kDecodeStageVecs;
 #pragma unroll
       for (int c = 0; c < kDecodeChunksPerLane; ++c) cp_async16(dst + c * 32, src[c] + kb * 64);
+      auto* scale_dst = reinterpret_cast<std::uint32_t*>(dst + kDecodeChunksPerLane * 32);
+#pragma unroll
+      for (int c = 0; c < kDecodeChunksPerLane; ++c) cp_async4(scale_dst + c, lane_scales.word(c, kb));
     }
     cp_async_commit();  // empty groups keep the wait counts uniform
   };
+  // The weight stream starts before anything else is read.
+  for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
 
   // Valid rows of the tile are a prefix (routing pads the tail with -1).
   // Blocks of fewer than kTileM threads take several rows each.
@@ -199,107 +203,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
     if (m < kTileM) arow[m] = slot < 0 ? -1 : (GateUp ? slot / int(p.topk) : int(row0) + m);
     valid += __syncthreads_count(slot >= 0);
   }
-
-  // Scale prologue: every scale column of the block's rows, as scaled bf16.
-  // The source words (the scale quads, or for CSF the words holding their
-  // offsets and the rows' base bytes) are staged by cp.async as the oldest
-  // group, ahead of the weight ring, so their latency overlaps the ring's;
-  // then every thread converts (row, unit) items i, i + blockDim, ..., a unit
-  // being W consecutive quads (W = 4, one 16-byte copy, for row-major grids
-  // whose rows are whole 16-byte chunks; else 1), stepping row and unit
-  // without divisions.
-  const float global_scale = p.global ? p.global[e] : 1.0f;  // loaded early: used after the loop
-  const std::uint32_t cols = p.k / kG, quads = cols / 4;
-  auto* sc16 = reinterpret_cast<std::uint16_t*>(sc);
-  const std::uint8_t* scales_e = expert_scales<K>(p.scales, e);
-  std::uint32_t* raw_base = raw + kDecodeRows * quads;
-  const auto stage_and_convert = [&](auto unit_quads) {
-    constexpr int W = decltype(unit_quads)::value;
-    const std::uint32_t per_row = quads / W, items = kDecodeRows * per_row;
-    const std::uint32_t step_r = blockDim.x / per_row, step_u = blockDim.x % per_row;
-    const auto advance = [&](std::uint32_t& r, std::uint32_t& u) {
-      u += step_u;
-      r += step_r;
-      if (u >= per_row) {
-        u -= per_row;
-        ++r;
-      }
-    };
-    {
-      std::uint32_t r = tid / per_row, u = tid % per_row;
-      for (std::uint32_t idx = tid; idx < items; idx += blockDim.x) {
-        const std::uint32_t* src = ScaleRowReader<F, K>(p.scales, scales_e, wrow(int(r))).word(4 * W * u);
-        if constexpr (W == 4) {
-          cp_async16(raw + W * idx, src);
-        } else {
-          cp_async4(raw + idx, src);
-        }
-        advance(r, u);
-      }
-      // Braced on purpose: nvcc 13.0 dropped the commit below when an
-      // unbraced discarded `if constexpr` for-statement with a compound body
-      // preceded it (seen in the PTX; the GPU tests failed).
-      if constexpr (K == ScaleKind::csf) {
-        for (int b = tid; b < kDecodeRows; b += int(blockDim.x))
-          cp_async4(raw_base + b, ScaleRowReader<F, K>(p.scales, scales_e, wrow(b)).base_word());
-      }
-      cp_async_commit();
-    }
-    for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
-    cp_async_wait<kDecodeStages - 1>();  // the scale group
-    __syncthreads();
-    std::uint32_t r = tid / per_row, u = tid % per_row;
-    for (std::uint32_t idx = tid; idx < items; idx += blockDim.x) {
-      const ScaleRowReader<F, K> reader(p.scales, scales_e, wrow(int(r)));
-      const std::uint32_t base = K == ScaleKind::csf ? reader.base_from_word(raw_base[r]) : 0u;
-      std::uint32_t words[W];
-      if constexpr (W == 4) {
-        const uint4 v = *reinterpret_cast<const uint4*>(raw + W * idx);
-        words[0] = v.x, words[1] = v.y, words[2] = v.z, words[3] = v.w;
-      } else {
-        words[0] = raw[idx];
-      }
-      std::uint32_t out[2 * W];
-#pragma unroll
-      for (int j = 0; j < W; ++j) {
-        const std::uint32_t w = reader.quad_from_word(words[j], 4 * (W * u + j), base);
-        if (!decode_bits::scale_word_special<F>(w)) {
-          out[2 * j] = decode_bits::scale_pair_bf16<F, 0>(w);
-          out[2 * j + 1] = decode_bits::scale_pair_bf16<F, 1>(w);
-        } else {  // subnormal or NaN codes: rare, byte by byte
-          const auto cv = [&](int byte) {
-            return std::uint32_t(scale_bf16<F>(std::uint8_t(w >> (8 * byte))));
-          };
-          out[2 * j] = cv(0) | (cv(1) << 16);
-          out[2 * j + 1] = cv(2) | (cv(3) << 16);
-        }
-      }
-      std::uint32_t* dst = sc + r * lay.scale_pitch_words + 2 * W * u;
-#pragma unroll
-      for (int j = 0; j < 2 * W; ++j) dst[j] = out[j];
-      advance(r, u);
-    }
-  };
-  if (K == ScaleKind::dense_row_major && quads % 4 == 0)
-    stage_and_convert(std::integral_constant<int, 4>{});
-  else
-    stage_and_convert(std::integral_constant<int, 1>{});
-  if constexpr (K == ScaleKind::csf) {
-    __syncthreads();
-    // Exception records of a row are (position, byte); one warp per row.
-    for (int r = warp; r < kDecodeRows; r += warps) {
-      const std::uint32_t wr = wrow(r);
-      const std::uint64_t pr = std::uint64_t(e) * p.scales.padded_rows + wr;
-      const std::uint32_t first = wr * p.scales.padded_cols;
-      const std::uint32_t end = p.scales.row_prefix[pr + 1];
-      for (std::uint32_t c = p.scales.row_prefix[pr] + lane; c < end; c += 32) {
-        const std::uint32_t rec = p.scales.exceptions[c];
-        const std::uint32_t col = (rec & 0xFFFFFFu) - first;
-        if (col < cols) sc16[r * lay.scale_pitch_words * 2 + col] = scale_bf16<F>(std::uint8_t(rec >> 24));
-      }
-    }
-  }
-  __syncthreads();
+  const float global_scale = p.global ? p.global[e] : 1.0f;
 
   const float gs = global_scale * kDecodeUnfold<F>;
   const std::uint16_t* x_base = p.a;
@@ -319,6 +223,8 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
       __syncthreads();  // the previous pass's partial sums overlaid the rings
       for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
     }
+    LaneExceptions<F> exceptions;
+    if constexpr (K == ScaleKind::csf) exceptions.start(p.scales, e, rows);
 
     float acc[2][NT][4];
 #pragma unroll
@@ -331,23 +237,50 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
     for (int i = 0; i < my_blocks; ++i) {
       issue(i + kDecodeStages - 1);
       cp_async_wait<kDecodeStages - 1>();
-      const uint4* stage = my_ring + (i & (kDecodeStages - 1)) * kDecodeChunksPerLane * 32;
+      const uint4* stage = my_ring + (i & (kDecodeStages - 1)) * kDecodeStageVecs;
       uint4 wq[kDecodeChunksPerLane];
 #pragma unroll
       for (int c = 0; c < kDecodeChunksPerLane; ++c) wq[c] = stage[c * 32];
       const std::uint32_t kb = warp + std::uint32_t(i) * warps;
       // Scale pairs (s, s) per chunk and half of the lane's 32 values.
       std::uint32_t sp[kDecodeChunksPerLane][2];
+      {
+        constexpr int kWords = LaneScales<F, K>::kWords;
+        std::uint32_t u[kWords];
+        lane_scales.gather(stage[kDecodeChunksPerLane * 32], kb, u);
+        if constexpr (K == ScaleKind::csf) {
+          if (exceptions.due(kb)) exceptions.patch(p.scales, e, rows, kb, t, u);
+        }
+        bool special = false;
 #pragma unroll
-      for (int c = 0; c < kDecodeChunksPerLane; ++c) {
-        const int r = 16 * (c / 2) + g + 8 * (c % 2);
-        if constexpr (F == ScaleFormat::nvfp4) {
-          const std::uint32_t two = sc[r * lay.scale_pitch_words + kb * (kScaleCols / 2) + t];
-          sp[c][0] = __byte_perm(two, 0, 0x1010);
-          sp[c][1] = __byte_perm(two, 0, 0x3232);
-        } else {
-          const std::uint32_t one = sc16[r * lay.scale_pitch_words * 2 + kb * kScaleCols + t];
-          sp[c][0] = sp[c][1] = one | (one << 16);
+        for (int j = 0; j < kWords; ++j) special |= decode_bits::scale_word_special<F>(u[j]);
+        std::uint32_t pair[kDecodeChunksPerLane];  // F = nvfp4: (col 0, col 1) of row c; mxfp4: (s, s)
+        if (!special) {
+#pragma unroll
+          for (int c = 0; c < kDecodeChunksPerLane; ++c) {
+            if constexpr (F == ScaleFormat::nvfp4)
+              pair[c] = c % 2 == 0 ? decode_bits::scale_pair_bf16<F, 0>(u[c / 2])
+                                   : decode_bits::scale_pair_bf16<F, 1>(u[c / 2]);
+            else
+              pair[c] = __byte_perm(u[0], 0, 0x4040 | c * 0x0101) << 7;
+          }
+        } else {  // subnormal or NaN codes: rare, byte by byte
+#pragma unroll
+          for (int c = 0; c < kDecodeChunksPerLane; ++c) {
+            const auto cv = [&](int byte) {
+              return std::uint32_t(scale_bf16<F>(std::uint8_t(u[byte / 4] >> (8 * (byte % 4)))));
+            };
+            pair[c] = F == ScaleFormat::nvfp4 ? cv(2 * c) | cv(2 * c + 1) << 16 : cv(c) * 0x10001u;
+          }
+        }
+#pragma unroll
+        for (int c = 0; c < kDecodeChunksPerLane; ++c) {
+          if constexpr (F == ScaleFormat::nvfp4) {
+            sp[c][0] = __byte_perm(pair[c], 0, 0x1010);
+            sp[c][1] = __byte_perm(pair[c], 0, 0x3232);
+          } else {
+            sp[c][0] = sp[c][1] = pair[c];
+          }
         }
       }
 #pragma unroll
@@ -426,6 +359,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
       }
     }
   }
+  cp_async_wait<0>();  // a tile without valid rows still issued its first stages
 }
 
 }  // namespace csfmoe::moe_detail

@@ -12,7 +12,7 @@ using DecodeFn = void (*)(const GemmParams&, cudaStream_t);
 
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
 void decode_launch(const GemmParams& p, cudaStream_t stream) {
-  const DecodeSmem s = decode_smem(p.k, group_size(F), NT);
+  const DecodeSmem s = decode_smem(p.k, NT);
   const std::uint32_t per_block = GateUp ? kDecodeRows / 2 : kDecodeRows;
   const std::uint32_t row_blocks = (GateUp ? p.n : p.out_rows) / per_block;
   moe_decode_kernel<F, K, GateUp, NT><<<dim3(p.max_tiles, row_blocks), s.warps * 32, s.total, stream>>>(p);
@@ -24,20 +24,22 @@ cudaError_t decode_configure(std::uint32_t smem) {
                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
 }
 
-// [format][scale kind][gate_up][token pass: 8, 32]
-#define CSFMOE_DECODE_ROW(F, K, FN)                                                        \
-  {                                                                                        \
-    {&FN<F, K, false, 1>, &FN<F, K, false, 4>}, { &FN<F, K, true, 1>, &FN<F, K, true, 4> } \
+// [format][scale kind][gate_up][token pass: 8, 16, 32]
+#define CSFMOE_DECODE_ROW(F, K, FN)                                    \
+  {                                                                    \
+    {&FN<F, K, false, 1>, &FN<F, K, false, 2>, &FN<F, K, false, 4>}, { \
+      &FN<F, K, true, 1>, &FN<F, K, true, 2>, &FN<F, K, true, 4>       \
+    }                                                                  \
   }
 #define CSFMOE_DECODE_FORMAT(F, FN)                                                                   \
   {                                                                                                   \
     CSFMOE_DECODE_ROW(F, ScaleKind::dense_row_major, FN),                                             \
         CSFMOE_DECODE_ROW(F, ScaleKind::dense_swizzled, FN), CSFMOE_DECODE_ROW(F, ScaleKind::csf, FN) \
   }
-constexpr DecodeFn kDecode[2][3][2][2] = {CSFMOE_DECODE_FORMAT(ScaleFormat::nvfp4, decode_launch),
+constexpr DecodeFn kDecode[2][3][2][3] = {CSFMOE_DECODE_FORMAT(ScaleFormat::nvfp4, decode_launch),
                                           CSFMOE_DECODE_FORMAT(ScaleFormat::mxfp4, decode_launch)};
 using ConfigureFn = cudaError_t (*)(std::uint32_t);
-constexpr ConfigureFn kConfigure[2][3][2][2] = {CSFMOE_DECODE_FORMAT(ScaleFormat::nvfp4, decode_configure),
+constexpr ConfigureFn kConfigure[2][3][2][3] = {CSFMOE_DECODE_FORMAT(ScaleFormat::nvfp4, decode_configure),
                                                 CSFMOE_DECODE_FORMAT(ScaleFormat::mxfp4, decode_configure)};
 #undef CSFMOE_DECODE_FORMAT
 #undef CSFMOE_DECODE_ROW
@@ -49,7 +51,8 @@ bool decode_shape_ok(std::uint32_t hidden, std::uint32_t intermediate) {
 }
 
 std::uint32_t decode_smem_bytes(ScaleFormat f, std::uint32_t k) {
-  return decode_smem(k, group_size(f), 4).total;  // the larger token pass bounds both
+  (void)f;                         // the scales travel in the weight ring: the same layout for both formats
+  return decode_smem(k, 4).total;  // the larger token pass bounds both
 }
 
 void configure_decode_kernels(std::uint32_t smem_bytes) {
@@ -67,7 +70,7 @@ void configure_decode_kernels(std::uint32_t smem_bytes) {
 }
 
 void launch_decode(ScaleFormat f, bool gate_up, GemmPath path, const GemmParams& p, cudaStream_t stream) {
-  kDecode[int(f)][int(p.scales.kind)][gate_up ? 1 : 0][path == GemmPath::decode_32 ? 1 : 0](p, stream);
+  kDecode[int(f)][int(p.scales.kind)][gate_up ? 1 : 0][int(path) - int(GemmPath::decode_8)](p, stream);
 }
 
 }  // namespace csfmoe::moe_detail

@@ -73,8 +73,8 @@ struct GemmParams {
 };
 
 // Which GEMM kernel runs a call: the tiled kernel (moe_gemm.cuh), or the
-// weight-streaming decode kernel (moe_decode.cuh) with token passes of 8 or 32.
-enum class GemmPath : int { tiled = 0, decode_8 = 1, decode_32 = 2 };
+// weight-streaming decode kernel (moe_decode.cuh) with token passes of 8, 16 or 32.
+enum class GemmPath : int { tiled = 0, decode_8 = 1, decode_16 = 2, decode_32 = 3 };
 
 void launch_gate_up(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t stream);
 void launch_down(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t stream);

@@ -348,11 +348,14 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   gp.up_row0 = g.order == GateUpOrder::w13 ? g.intermediate : 0;
   gp.act = act;
   // Token passes of 8 up to 32 tokens: at those sizes nearly every expert
-  // tile holds at most 8 rows (one pass), and the 32-token variant's larger
-  // register set (it spills) makes it slower per pass; above, passes of 32.
-  const moe_detail::GemmPath path = b.kernel_for(tokens) == MoeKernel::tiled ? moe_detail::GemmPath::tiled
-                                    : tokens <= 32                           ? moe_detail::GemmPath::decode_8
-                                                   : moe_detail::GemmPath::decode_32;
+  // tile holds at most 8 rows (one pass), and a wider pass's larger register
+  // set costs per pass. Passes of 16 (no spills) up to 512 tokens, of 32 (the
+  // fewest weight re-reads per tile, but spilling) above.
+  using moe_detail::GemmPath;
+  const GemmPath path = b.kernel_for(tokens) == MoeKernel::tiled ? GemmPath::tiled
+                        : tokens <= 32                           ? GemmPath::decode_8
+                        : tokens <= 512                          ? GemmPath::decode_16
+                                                                 : GemmPath::decode_32;
   moe_detail::launch_gate_up(p.format, path, gp, b.stream_);
 
   moe_detail::GemmParams dp = gp;

@@ -86,76 +86,186 @@ __device__ __forceinline__ std::uint8_t csf_fixed_scale(const ScaleSource& s, in
   }
 }
 
-// Reader of one row's scale quads: four consecutive scale bytes (col4 % 4 ==
-// 0) of (e, row), little-endian in one word. The row's addressing is done
-// once; a quad's source is then one aligned word (word), for dense grids the
-// quad itself (the 4 columns of a 128x4 tile are contiguous), for CSF the
-// word holding its offsets, decoded by quad_from_word: CSF bytes are base +
-// offset with per-byte wrap-around, as csf_fixed_scale.
+// The block-scale bytes one decode lane (src/cuda/moe_decode.cuh) needs per
+// 128-wide K block kb, streamed through its cp.async ring. Lane t of a quad
+// covers K 32t..32t+31 of each of its four rows c = 0..3 per K block: NVFP4
+// scale columns 8kb + 2t and 8kb + 2t + 1, MXFP4 column 4kb + t. The lane
+// copies one aligned source word per row and K block (word: for dense grids
+// the scale quad holding its bytes, for CSF the word holding their offsets)
+// and gathers from the four the bytes it needs (gather):
+//   NVFP4 u[j] = (row 2j col 0, row 2j col 1, row 2j+1 col 0, row 2j+1 col 1),
+//   MXFP4 u[0] = (row 0, row 1, row 2, row 3), little-endian.
+// CSF bytes are base + offset with per-byte wrap-around, as csf_fixed_scale;
+// exception slots read offset 0 and are patched by LaneExceptions.
 template <ScaleFormat F, ScaleKind K>
-struct ScaleRowReader {
-  const std::uint8_t* row;                // dense: the row's first byte or tile slot; csf: its first offsets
-  const std::uint8_t* base_at = nullptr;  // csf: the row's base byte
+struct LaneScales {
+  static constexpr int kRows = 4;
+  static constexpr int kWords = F == ScaleFormat::nvfp4 ? 2 : 1;  // words of gathered bytes
+  static constexpr bool kCsf = K == ScaleKind::csf;
+  static constexpr bool kMxCsf = kCsf && F == ScaleFormat::mxfp4;
+  // Source bytes between consecutive K blocks (CSF MXFP4: half a byte, see word).
+  static constexpr std::uint32_t kStride = F == ScaleFormat::nvfp4
+                                               ? (kCsf                             ? 512u
+                                                  : K == ScaleKind::dense_swizzled ? 1024u
+                                                                                   : 8u)
+                                               : (K == ScaleKind::dense_swizzled ? 512u : 4u);
 
-  // expert: expert_scales<K>(s, e), hoisted out of loops over rows. Reads nothing.
-  __device__ __forceinline__ ScaleRowReader(const ScaleSource& s, const std::uint8_t* expert,
-                                            std::uint32_t r) {
-    if constexpr (K == ScaleKind::csf) {
-      const std::uint8_t* slab = expert + std::uint64_t(r / csf_slab_rows(F)) * s.slab_bytes;
-      base_at = slab + csf_base_index<F>(r);
-      if constexpr (F == ScaleFormat::nvfp4)
-        row = slab + 128 + nvfp4_offset_nibble(r, 0) / 2;
-      else
-        row = slab + mxfp4_offset_byte(s, r, 0);
-    } else {
-      row = expert + dense_index_in_expert<K>(s, r, 0);
-    }
-  }
+  const std::uint8_t* expert;
+  std::uint32_t at[kRows];        // offset from expert of row c's source word at kb = 0 (CSF MXFP4: byte)
+  std::uint32_t sel[2] = {0, 0};  // __byte_perm selectors of the gather (CSF MXFP4: sel[0] = t)
+  std::uint32_t base_lo[kWords] = {};  // csf: row bases at the bytes of u, bit 7 cleared ...
+  std::uint32_t base_hi[kWords] = {};  // ... and bit 7 alone (carry-free byte-wise add)
 
-  // csf: the aligned word holding the row's base byte, and the byte from it.
-  __device__ __forceinline__ const std::uint32_t* base_word() const {
-    return reinterpret_cast<const std::uint32_t*>(reinterpret_cast<std::uintptr_t>(base_at) &
-                                                  ~std::uintptr_t(3));
-  }
-  __device__ __forceinline__ std::uint32_t base_from_word(std::uint32_t w) const {
-    return (w >> (8 * (std::uint32_t(reinterpret_cast<std::uintptr_t>(base_at)) & 3u))) & 0xFFu;
-  }
-
-  // The aligned 32-bit source word of quad col4, to be copied as is (a
-  // cp.async stage) and decoded by quad_from_word: the quad itself for dense
-  // grids, the word holding its offsets for CSF.
-  __device__ __forceinline__ const std::uint32_t* word(std::uint32_t col4) const {
-    if constexpr (K == ScaleKind::csf) {
-      // NVFP4: 4 offset nibbles at byte col4 * 64 (even); MXFP4: 4 bits of byte col4 / 8.
-      const std::uint8_t* at = F == ScaleFormat::nvfp4 ? row + col4 * 64 : row + col4 / 8;
-      return reinterpret_cast<const std::uint32_t*>(reinterpret_cast<std::uintptr_t>(at) &
-                                                    ~std::uintptr_t(3));
-    } else if constexpr (K == ScaleKind::dense_swizzled) {
-      return reinterpret_cast<const std::uint32_t*>(row + col4 * 128);  // next 128x4 tile: 512 bytes
-    } else {
-      return reinterpret_cast<const std::uint32_t*>(row + col4);
-    }
-  }
-
-  // Quad col4 from its source word (word(col4) read or staged); base: the
-  // row's base byte (csf only).
-  __device__ __forceinline__ std::uint32_t quad_from_word(std::uint32_t w, std::uint32_t col4,
-                                                          std::uint32_t base) const {
-    if constexpr (K == ScaleKind::csf) {
-      const std::uint32_t lane =
-          std::uint32_t(reinterpret_cast<std::uintptr_t>(row)) & 3u;  // byte in the word
-      std::uint32_t spread;
-      if constexpr (F == ScaleFormat::nvfp4) {
-        const std::uint32_t off = (w >> (8 * lane)) & 0xFFFFu;  // col4 * 64 keeps the row's byte lane
-        spread = (off & 0xFu) | ((off & 0xF0u) << 4) | ((off & 0xF00u) << 8) | ((off & 0xF000u) << 12);
+  // expert: expert_scales<K>(s, e); rows: the lane's four weight rows; t: lane % 4.
+  // Reads the CSF base bytes (four loads); nothing else.
+  __device__ __forceinline__ LaneScales(const ScaleSource& s, const std::uint8_t* expert,
+                                        const std::uint32_t (&rows)[kRows], std::uint32_t t)
+      : expert(expert) {
+    std::uint32_t pos[kRows], base[kRows];
+#pragma unroll
+    for (int c = 0; c < kRows; ++c) {
+      const std::uint32_t r = rows[c];
+      std::uint64_t off;
+      if constexpr (kCsf) {
+        const std::uint64_t slab = std::uint64_t(r / csf_slab_rows(F)) * s.slab_bytes;
+        base[c] = __ldg(expert + slab + csf_base_index<F>(r));
+        if constexpr (F == ScaleFormat::nvfp4)  // the byte holding both nibbles of columns 2t, 2t + 1
+          off = slab + 128 + nvfp4_offset_nibble(r, 2 * t) / 2;
+        else
+          off = slab + mxfp4_offset_byte(s, r, 0);
       } else {
-        const std::uint32_t at = lane + col4 / 8;
-        const std::uint32_t bits = (w >> (8 * (at & 3u) + col4 % 8)) & 0xFu;
-        spread = (bits & 1u) | ((bits & 2u) << 7) | ((bits & 4u) << 14) | ((bits & 8u) << 21);
+        base[c] = 0;
+        off = dense_index_in_expert<K>(s, r, F == ScaleFormat::nvfp4 ? 2 * t : t);
       }
-      return __vadd4(spread, base * 0x01010101u);
+      pos[c] = std::uint32_t(reinterpret_cast<std::uintptr_t>(expert) + off) & 3u;
+      // Expert grids are far below 4 GiB. Strides are whole words, so the
+      // word of every K block is at[c] + kb * kStride, aligned once here
+      // (CSF MXFP4 moves half a byte per block: aligned in word).
+      at[c] = std::uint32_t(off) - (kMxCsf ? 0u : pos[c]);
+    }
+    if constexpr (F == ScaleFormat::nvfp4) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const std::uint32_t p0 = pos[2 * j], p1 = pos[2 * j + 1] + 4;
+        // dense: the two bytes of each row; csf: the offset byte of each row, twice.
+        sel[j] = kCsf ? p0 | p0 << 4 | p1 << 8 | p1 << 12 : p0 | (p0 + 1) << 4 | p1 << 8 | (p1 + 1) << 12;
+        if constexpr (kCsf) {
+          const std::uint32_t b = (base[2 * j] | base[2 * j + 1] << 16) * 0x0101u;
+          base_lo[j] = b & 0x7F7F7F7Fu;
+          base_hi[j] = b & 0x80808080u;
+        }
+      }
+    } else if constexpr (kCsf) {
+      const std::uint32_t b = base[0] | base[1] << 8 | base[2] << 16 | base[3] << 24;
+      base_lo[0] = b & 0x7F7F7F7Fu;
+      base_hi[0] = b & 0x80808080u;
+      sel[0] = t;  // the lane's bit among the 4 columns of a K block
     } else {
-      return w;
+      sel[0] = pos[0] | (pos[1] + 4) << 4;
+      sel[1] = pos[2] | (pos[3] + 4) << 4;
+    }
+  }
+
+  // The aligned source word of row c for K block kb, to be copied as is.
+  __device__ __forceinline__ const std::uint32_t* word(int c, std::uint32_t kb) const {
+    if constexpr (kMxCsf)
+      return reinterpret_cast<const std::uint32_t*>(mx_csf_byte(c, kb) & ~std::uintptr_t(3));
+    else
+      return reinterpret_cast<const std::uint32_t*>(expert + at[c] + kb * kStride);
+  }
+  // CSF MXFP4: the byte holding row c's offset bits of K block kb.
+  __device__ __forceinline__ std::uintptr_t mx_csf_byte(int c, std::uint32_t kb) const {
+    return reinterpret_cast<std::uintptr_t>(expert) + at[c] + kb / 2;
+  }
+
+  // The lane's scale bytes of K block kb from the four copied words.
+  __device__ __forceinline__ void gather(const uint4& w, std::uint32_t kb, std::uint32_t (&u)[kWords]) const {
+    if constexpr (F == ScaleFormat::nvfp4) {
+      u[0] = __byte_perm(w.x, w.y, sel[0]);
+      u[1] = __byte_perm(w.z, w.w, sel[1]);
+      if constexpr (kCsf) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          // (b0, b0, b1, b1) -> nibbles (lo b0, hi b0, lo b1, hi b1), then + base byte-wise:
+          // offsets < 16 and base bits 0..6 never carry out of a byte; bit 7 adds as an xor.
+          const std::uint32_t nib = (u[j] & 0x000F000Fu) | ((u[j] >> 4) & 0x0F000F00u);
+          u[j] = (nib + base_lo[j]) ^ base_hi[j];
+        }
+      }
+    } else if constexpr (kCsf) {
+      const std::uint32_t bit = (kb & 1u) * 4u;
+      const std::uint32_t words[kRows] = {w.x, w.y, w.z, w.w};
+      std::uint32_t bits = 0;
+#pragma unroll
+      for (int c = 0; c < kRows; ++c) {
+        const std::uint32_t shift = 8u * (std::uint32_t(mx_csf_byte(c, kb)) & 3u) + bit + sel[0];
+        bits |= ((words[c] >> shift) & 1u) << (8 * c);
+      }
+      u[0] = (bits + base_lo[0]) ^ base_hi[0];
+    } else {
+      u[0] = __byte_perm(__byte_perm(w.x, w.y, sel[0]), __byte_perm(w.z, w.w, sel[1]), 0x5410);
+    }
+  }
+};
+
+// CSF exception records of a lane's four rows (records are ordered by row,
+// then column; docs/csf-format.md). A lane visits its K blocks in ascending
+// order, so one cursor per row suffices: records before the current block
+// belong to other lanes or warps and are skipped. `soonest` (the smallest
+// column among the cursors' records) lets a K block without an exception cost
+// one comparison.
+template <ScaleFormat F>
+struct LaneExceptions {
+  static constexpr std::uint32_t kNone = 0xFFFFFFFFu;
+  static constexpr std::uint32_t kColsPerBlock = 128 / group_size(F);
+  std::uint32_t next[4];
+  std::uint32_t soonest = kNone;
+
+  // Column of record i of the row starting at position first, or kNone past end.
+  __device__ __forceinline__ static std::uint32_t column(const ScaleSource& s, std::uint32_t i,
+                                                         std::uint32_t end, std::uint32_t first) {
+    return i < end ? (s.exceptions[i] & 0xFFFFFFu) - first : kNone;
+  }
+  __device__ __forceinline__ static std::uint64_t prefix_at(const ScaleSource& s, int e, std::uint32_t row) {
+    return std::uint64_t(e) * s.padded_rows + row;
+  }
+
+  __device__ __forceinline__ void start(const ScaleSource& s, int e, const std::uint32_t (&rows)[4]) {
+    soonest = kNone;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const std::uint64_t pr = prefix_at(s, e, rows[c]);
+      next[c] = s.row_prefix[pr];
+      const std::uint32_t col = column(s, next[c], s.row_prefix[pr + 1], rows[c] * s.padded_cols);
+      soonest = col < soonest ? col : soonest;
+    }
+  }
+
+  // Does K block kb hold a record of one of the rows?
+  __device__ __forceinline__ bool due(std::uint32_t kb) const { return soonest < (kb + 1) * kColsPerBlock; }
+
+  // Patches the lane's gathered bytes u (LaneScales layout) of K block kb
+  // with the records of its columns; advances the cursors past the block.
+  template <int kWords>
+  __device__ __forceinline__ void patch(const ScaleSource& s, int e, const std::uint32_t (&rows)[4],
+                                        std::uint32_t kb, std::uint32_t t, std::uint32_t (&u)[kWords]) {
+    constexpr std::uint32_t kLaneCols = F == ScaleFormat::nvfp4 ? 2 : 1;
+    const std::uint32_t end_col = (kb + 1) * kColsPerBlock, lane_col = kb * kColsPerBlock + t * kLaneCols;
+    soonest = kNone;
+    for (int c = 0; c < 4; ++c) {
+      const std::uint64_t pr = prefix_at(s, e, rows[c]);
+      const std::uint32_t end = s.row_prefix[pr + 1], first = rows[c] * s.padded_cols;
+      std::uint32_t i = next[c], col;
+      while ((col = column(s, i, end, first)) < end_col) {
+        if (col - lane_col < kLaneCols) {
+          const std::uint32_t byte = F == ScaleFormat::nvfp4 ? 2 * (c % 2) + (col - lane_col) : c;
+          std::uint32_t& word = u[F == ScaleFormat::nvfp4 ? c / 2 : 0];
+          word = (word & ~(0xFFu << (8 * byte))) | ((s.exceptions[i] >> 24) << (8 * byte));
+        }
+        ++i;
+      }
+      next[c] = i;
+      soonest = col < soonest ? col : soonest;
     }
   }
 };
