@@ -133,7 +133,8 @@ class BoundMoe {
   std::uint32_t max_tokens_ = 0;
   MoeWorkspace workspace_;
   bool scales_expanded_ = false;
-  bool decode_ok_ = false;  // the layer's shape suits the decode kernel on its device
+  bool decode_ok_ = false;      // the layer's shape suits the decode kernel on its device
+  std::uint32_t sm_count_ = 0;  // of the layer's device: sizes the decode kernel's blocks
   MoeBindOptions options_;
 };
 

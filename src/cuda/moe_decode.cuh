@@ -83,19 +83,41 @@ struct DecodeSmem {
   std::uint32_t total = 0;
 };
 
-// Shape of a decode launch over K (the projection's reduction size).
-CSFMOE_HD DecodeSmem decode_smem(std::uint32_t k, std::uint32_t nt) {
+// Block shape of the decode kernel: how many warps split a block's K blocks.
+// Measured on the H200 (docs/performance.md): every block pays a start-up
+// (tile expert, routing rows, first ring stage: a few DRAM latencies) and a
+// barrier-bound epilogue, so warps should stream many K blocks; but a launch
+// that fills the GPU's warp slots only about once runs slower than one of
+// about two waves, and warps of very few K blocks lose again. Defaults:
+// about 14 K blocks per warp, then more warps while the launch fills fewer
+// than 2 waves and each warp keeps at least 4 K blocks.
+struct DecodeShapeRule {
+  std::uint32_t kblocks_per_warp = 14;
+  std::uint32_t min_kblocks_per_warp = 4;
+  std::uint32_t waves = 2;
+};
+
+// Warps per block for a launch of about `blocks` blocks over `kblocks` K
+// blocks on `sm_count` SMs (2 blocks x 8 warps per SM by registers).
+CSFMOE_HD std::uint32_t decode_warps(std::uint32_t kblocks, std::uint64_t blocks, std::uint32_t sm_count,
+                                     const DecodeShapeRule& rule = {}) {
+  std::uint32_t w = 1;
+  while (w < kDecodeMaxWarps && 2 * w * rule.kblocks_per_warp <= kblocks) w *= 2;
+  const std::uint64_t slots = std::uint64_t(sm_count) * 2 * kDecodeMaxWarps * rule.waves;
+  while (w < kDecodeMaxWarps && blocks * w < slots && 2 * w * rule.min_kblocks_per_warp <= kblocks) w *= 2;
+  return w;
+}
+
+// Shared memory of a decode block of `warps` warps and token passes of 8 *
+// nt; CSF blocks also stage their exception records (BlockExceptions).
+CSFMOE_HD DecodeSmem decode_smem(std::uint32_t warps, std::uint32_t nt, bool csf) {
   DecodeSmem s;
-  const std::uint32_t kblocks = k / kDecodeKBlock;
-  // About 4 K blocks per warp: long rows get 8 warps, short ones smaller
-  // blocks (more of them per SM, so block start-up latencies overlap).
-  const std::uint32_t want = (kblocks + 3) / 4;
-  s.warps = want < 1 ? 1 : (want > kDecodeMaxWarps ? kDecodeMaxWarps : want);
+  s.warps = warps;
   s.nt = nt;
   const std::uint32_t ring = s.warps * kDecodeStages * kDecodeStageVecs * 16;
   const std::uint32_t partial = s.warps * kDecodeRows * 8 * nt * 4;
   s.ring_bytes = ring > partial ? ring : partial;
-  s.total = s.ring_bytes + kTileM * 4;
+  s.total = s.ring_bytes + kTileM * 4 + (csf ? std::uint32_t(sizeof(BlockExceptions)) : 0u);
   return s;
 }
 
@@ -138,6 +160,46 @@ __device__ __forceinline__ std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32
 template <ScaleFormat F>
 constexpr float kDecodeUnfold = F == ScaleFormat::nvfp4 ? 256.0f : 1.0f;
 
+// Scale pairs (s, s) of a lane's K block: sp[c][h] multiplies the values of
+// row c in half h of the lane's 32 (NVFP4: one scale per half, MXFP4: one for
+// both), from the gathered bytes u (LaneScales layout). Four bytes convert by
+// bit assembly; a word holding a subnormal or NaN code takes the exact
+// byte-wise path.
+template <ScaleFormat F, int kWords>
+__device__ __forceinline__ void scale_pairs(const std::uint32_t (&u)[kWords], std::uint32_t (&sp)[4][2]) {
+  bool special = false;
+#pragma unroll
+  for (int j = 0; j < kWords; ++j) special |= decode_bits::scale_word_special<F>(u[j]);
+  std::uint32_t pair[4];  // NVFP4: (half 0, half 1) of row c; MXFP4: (s, s)
+  if (!special) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      if constexpr (F == ScaleFormat::nvfp4)
+        pair[c] = c % 2 == 0 ? decode_bits::scale_pair_bf16<F, 0>(u[c / 2])
+                             : decode_bits::scale_pair_bf16<F, 1>(u[c / 2]);
+      else
+        pair[c] = __byte_perm(u[0], 0, 0x4040 | c * 0x0101) << 7;  // byte c to both halves, as E8M0 -> bf16
+    }
+  } else {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const auto cv = [&](int byte) {
+        return std::uint32_t(scale_bf16<F>(std::uint8_t(u[byte / 4] >> (8 * (byte % 4)))));
+      };
+      pair[c] = F == ScaleFormat::nvfp4 ? cv(2 * c) | cv(2 * c + 1) << 16 : cv(c) * 0x10001u;
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    if constexpr (F == ScaleFormat::nvfp4) {
+      sp[c][0] = __byte_perm(pair[c], 0, 0x1010);
+      sp[c][1] = __byte_perm(pair[c], 0, 0x3232);
+    } else {
+      sp[c][0] = sp[c][1] = pair[c];
+    }
+  }
+}
+
 }  // namespace decode
 
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
@@ -147,12 +209,14 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
 
   const int tile = blockIdx.x;
   if (tile >= p.header[0]) return;
-  const DecodeSmem lay = decode_smem(p.k, NT);
-  const int warps = int(lay.warps);
+  const int warps = int(blockDim.x / 32);  // decode_warps
+  constexpr bool kCsf = K == ScaleKind::csf;
+  const DecodeSmem lay = decode_smem(std::uint32_t(warps), NT, kCsf);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   auto* ring = reinterpret_cast<uint4*>(smem);                 // [warp][stage][chunk + scales][lane]
   auto* partial = reinterpret_cast<float*>(smem);              // [warp][row][token], after the loop
   auto* arow = reinterpret_cast<int*>(smem + lay.ring_bytes);  // [kTileM]
+  auto* block_exceptions = reinterpret_cast<BlockExceptions*>(smem + lay.ring_bytes + kTileM * 4);  // csf
 
   const int e = p.tile_expert[tile];
   const std::uint32_t row0 = std::uint32_t(tile) * kTileM;
@@ -169,12 +233,12 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
   const int my_blocks = warp < int(kblocks) ? (int(kblocks) - 1 - warp) / warps + 1 : 0;
   const std::uint64_t row_bytes = p.k / 2;
   const std::uint8_t* w_e = p.w + std::uint64_t(e) * p.out_rows * row_bytes;
-  // Lane chunk c = 2i + h holds row 16i + g + 8h.
+  // Lane chunk c = 2i + h holds block row 16i + g + 8h.
   std::uint32_t rows[kDecodeChunksPerLane];
   const std::uint8_t* src[kDecodeChunksPerLane];
 #pragma unroll
   for (int c = 0; c < kDecodeChunksPerLane; ++c) {
-    rows[c] = wrow(16 * (c / 2) + g + 8 * (c % 2));
+    rows[c] = wrow(LaneExceptions<F>::block_row(c, g));
     src[c] = w_e + std::uint64_t(rows[c]) * row_bytes + t * 16;
   }
   const LaneScales<F, K> lane_scales(p.scales, expert_scales<K>(p.scales, e), rows, t);
@@ -194,6 +258,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
   // The weight stream starts before anything else is read.
   for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
 
+  if constexpr (kCsf) block_exceptions->load_prefix(p.scales, e, wrow(0), wrow(16), tid, int(blockDim.x));
   // Valid rows of the tile are a prefix (routing pads the tail with -1).
   // Blocks of fewer than kTileM threads take several rows each.
   int valid = 0;
@@ -204,12 +269,20 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
     valid += __syncthreads_count(slot >= 0);
   }
   const float global_scale = p.global ? p.global[e] : 1.0f;
+  bool exceptions_staged = false;
+  if constexpr (kCsf) {
+    exceptions_staged = block_exceptions->stage(p.scales, tid, int(blockDim.x));
+    __syncthreads();
+  }
 
   const float gs = global_scale * kDecodeUnfold<F>;
   const std::uint16_t* x_base = p.a;
   for (int tok0 = 0; tok0 < valid; tok0 += 8 * NT) {
     const int left = valid - tok0;
     const int chunks = left >= 8 * NT ? NT : (left + 7) / 8;
+    // Chunk n holds tokens (chunk 0 always does: said at compile time, so the
+    // single-chunk kernel has no branch around its MMAs).
+    const auto live = [&](int n) { return n == 0 || n < chunks; };
     // Activation row of this lane's token in each chunk (a clamped valid row
     // for the padding columns; their results are never stored).
     const std::uint16_t* xrow[NT];
@@ -223,8 +296,8 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
       __syncthreads();  // the previous pass's partial sums overlaid the rings
       for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
     }
-    LaneExceptions<F> exceptions;
-    if constexpr (K == ScaleKind::csf) exceptions.start(p.scales, e, rows);
+    LaneExceptions<F> exceptions{exceptions_staged};
+    if constexpr (kCsf) exceptions.start(p.scales, *block_exceptions, rows, g);
 
     float acc[2][NT][4];
 #pragma unroll
@@ -248,40 +321,10 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
         constexpr int kWords = LaneScales<F, K>::kWords;
         std::uint32_t u[kWords];
         lane_scales.gather(stage[kDecodeChunksPerLane * 32], kb, u);
-        if constexpr (K == ScaleKind::csf) {
-          if (exceptions.due(kb)) exceptions.patch(p.scales, e, rows, kb, t, u);
+        if constexpr (kCsf) {
+          if (exceptions.due(kb)) exceptions.patch(p.scales, *block_exceptions, rows, g, kb, t, u);
         }
-        bool special = false;
-#pragma unroll
-        for (int j = 0; j < kWords; ++j) special |= decode_bits::scale_word_special<F>(u[j]);
-        std::uint32_t pair[kDecodeChunksPerLane];  // F = nvfp4: (col 0, col 1) of row c; mxfp4: (s, s)
-        if (!special) {
-#pragma unroll
-          for (int c = 0; c < kDecodeChunksPerLane; ++c) {
-            if constexpr (F == ScaleFormat::nvfp4)
-              pair[c] = c % 2 == 0 ? decode_bits::scale_pair_bf16<F, 0>(u[c / 2])
-                                   : decode_bits::scale_pair_bf16<F, 1>(u[c / 2]);
-            else
-              pair[c] = __byte_perm(u[0], 0, 0x4040 | c * 0x0101) << 7;
-          }
-        } else {  // subnormal or NaN codes: rare, byte by byte
-#pragma unroll
-          for (int c = 0; c < kDecodeChunksPerLane; ++c) {
-            const auto cv = [&](int byte) {
-              return std::uint32_t(scale_bf16<F>(std::uint8_t(u[byte / 4] >> (8 * (byte % 4)))));
-            };
-            pair[c] = F == ScaleFormat::nvfp4 ? cv(2 * c) | cv(2 * c + 1) << 16 : cv(c) * 0x10001u;
-          }
-        }
-#pragma unroll
-        for (int c = 0; c < kDecodeChunksPerLane; ++c) {
-          if constexpr (F == ScaleFormat::nvfp4) {
-            sp[c][0] = __byte_perm(pair[c], 0, 0x1010);
-            sp[c][1] = __byte_perm(pair[c], 0, 0x3232);
-          } else {
-            sp[c][0] = sp[c][1] = pair[c];
-          }
-        }
+        scale_pairs<F>(u, sp);
       }
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
@@ -289,7 +332,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
         std::uint32_t b[NT][4];
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-          if (n < chunks) {
+          if (live(n)) {
             const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xrow[n] + kb * kDecodeKBlock + 8 * w));
             b[n][0] = __byte_perm(xv.x, xv.z, 0x5410);
             b[n][1] = __byte_perm(xv.x, xv.z, 0x7632);
@@ -314,7 +357,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
           }
 #pragma unroll
           for (int n = 0; n < NT; ++n) {
-            if (n < chunks) {
+            if (live(n)) {
               mma_bf16(acc[mt][n], lo[0], hi[0], lo[1], hi[1], b[n][0], b[n][1]);
               mma_bf16(acc[mt][n], lo[2], hi[2], lo[3], hi[3], b[n][2], b[n][3]);
             }
@@ -331,7 +374,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
-        if (n < chunks) {
+        if (live(n)) {
 #pragma unroll
           for (int v = 0; v < 4; ++v) {
             const int r = 16 * mt + g + 8 * (v / 2), m = 8 * n + 2 * t + (v % 2);

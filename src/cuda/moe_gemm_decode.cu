@@ -1,4 +1,5 @@
 // Instantiations and dispatch table of the decode (weight-streaming) MoE GEMMs.
+#include <cstdlib>
 #include <string>
 
 #include "csfmoe/errors.hpp"
@@ -10,11 +11,46 @@ namespace {
 
 using DecodeFn = void (*)(const GemmParams&, cudaStream_t);
 
+// Tuning overrides, read once per process (docs/performance.md):
+// CSFMOE_DECODE_WARPS fixes the warps per block (1, 2, 4 or 8; fewer when K
+// has fewer K blocks); CSFMOE_DECODE_KB_PER_WARP, CSFMOE_DECODE_MIN_KB and
+// CSFMOE_DECODE_WAVES replace the fields of DecodeShapeRule. Values out of
+// range are ignored.
+std::uint32_t env_choice(const char* name, std::uint32_t lo, std::uint32_t hi) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return 0;
+  char* end = nullptr;
+  const unsigned long n = std::strtoul(v, &end, 10);
+  return *end == '\0' && n >= lo && n <= hi ? std::uint32_t(n) : 0;
+}
+
+std::uint32_t launch_warps(std::uint32_t kblocks, std::uint64_t blocks, std::uint32_t sm_count) {
+  static const std::uint32_t fixed = env_choice("CSFMOE_DECODE_WARPS", 1, kDecodeMaxWarps);
+  static const DecodeShapeRule rule = [] {
+    DecodeShapeRule r;
+    const auto set = [](std::uint32_t& field, const char* name) {
+      if (const std::uint32_t v = env_choice(name, 1, 1024)) field = v;
+    };
+    set(r.kblocks_per_warp, "CSFMOE_DECODE_KB_PER_WARP");
+    set(r.min_kblocks_per_warp, "CSFMOE_DECODE_MIN_KB");
+    set(r.waves, "CSFMOE_DECODE_WAVES");
+    return r;
+  }();
+  if (fixed != 0) {
+    std::uint32_t w = 1;
+    while (2 * w <= fixed && 2 * w <= kblocks) w *= 2;
+    return w;
+  }
+  return decode_warps(kblocks, blocks, sm_count, rule);
+}
+
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
 void decode_launch(const GemmParams& p, cudaStream_t stream) {
-  const DecodeSmem s = decode_smem(p.k, NT);
   const std::uint32_t per_block = GateUp ? kDecodeRows / 2 : kDecodeRows;
   const std::uint32_t row_blocks = (GateUp ? p.n : p.out_rows) / per_block;
+  const std::uint32_t warps =
+      launch_warps(p.k / kDecodeKBlock, std::uint64_t(p.max_tiles) * row_blocks, p.sm_count);
+  const DecodeSmem s = decode_smem(warps, NT, K == ScaleKind::csf);
   moe_decode_kernel<F, K, GateUp, NT><<<dim3(p.max_tiles, row_blocks), s.warps * 32, s.total, stream>>>(p);
 }
 
@@ -51,8 +87,10 @@ bool decode_shape_ok(std::uint32_t hidden, std::uint32_t intermediate) {
 }
 
 std::uint32_t decode_smem_bytes(ScaleFormat f, std::uint32_t k) {
-  (void)f;                         // the scales travel in the weight ring: the same layout for both formats
-  return decode_smem(k, 4).total;  // the larger token pass bounds both
+  (void)f;  // the scales travel in the weight ring: the same layout for both formats
+  const std::uint32_t kblocks = k / kDecodeKBlock;
+  // The largest block decode_warps can choose, with the widest token pass.
+  return decode_smem(kblocks < kDecodeMaxWarps ? kblocks : kDecodeMaxWarps, 4, true).total;
 }
 
 void configure_decode_kernels(std::uint32_t smem_bytes) {

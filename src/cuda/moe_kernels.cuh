@@ -57,6 +57,7 @@ struct GemmParams {
   const int* tile_expert = nullptr;
   const int* sorted_slot = nullptr;
   std::uint32_t max_tiles = 0;       // grid size along tiles
+  std::uint32_t sm_count = 0;        // of the device (decode kernel: sizes its blocks)
   const std::uint16_t* a = nullptr;  // bf16: hidden [T, K] (gate/up) or act [rows, K] (down)
   std::uint32_t topk = 1;            // slot -> token divisor (gate/up)
   const std::uint8_t* w = nullptr;   // [E, out_rows, K/2]

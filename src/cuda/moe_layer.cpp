@@ -250,6 +250,10 @@ BoundMoe bind(const MoeWeights& w, cudaStream_t stream, std::uint32_t max_tokens
                                         moe_detail::decode_smem_bytes(p.format, g.intermediate));
     if (need <= std::uint32_t(optin)) {
       moe_detail::configure_decode_kernels(std::uint32_t(optin));
+      int sms = 0;
+      cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, w.source().device),
+                 "bind: multiprocessor count");
+      b.sm_count_ = std::uint32_t(sms);
       b.decode_ok_ = true;
     }
   }
@@ -336,6 +340,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   gp.tile_expert = r.tile_expert;
   gp.sorted_slot = r.sorted_slot;
   gp.max_tiles = std::uint32_t(tiles);
+  gp.sm_count = b.sm_count_;
   gp.a = static_cast<const std::uint16_t*>(hidden);
   gp.topk = g.topk;
   gp.w = w.source().w13;

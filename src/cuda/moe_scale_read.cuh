@@ -208,35 +208,79 @@ struct LaneScales {
   }
 };
 
-// CSF exception records of a lane's four rows (records are ordered by row,
-// then column; docs/csf-format.md). A lane visits its K blocks in ascending
-// order, so one cursor per row suffices: records before the current block
-// belong to other lanes or warps and are skipped. `soonest` (the smallest
-// column among the cursors' records) lets a K block without an exception cost
-// one comparison.
+// CSF exception records of a decode block's 32 rows: two runs of 16
+// consecutive weight rows (the gate and up halves of a gate/up block, the two
+// halves of a down block), whose records are consecutive in the record array
+// (ordered by row, then column). stage() copies them into shared memory when
+// they fit (kCapacity; realistic grids hold a few per row), else the lanes
+// read them from global memory (adversarial grids).
+struct BlockExceptions {
+  static constexpr std::uint32_t kCapacity = 512;
+  std::uint32_t run_prefix[2][17];  // row_prefix of each run's 16 rows, and one past
+  std::uint32_t row_range[32][2];   // [begin, end) of block row r, indices into `records` below
+  std::uint32_t records[kCapacity];
+
+  // Step 1, before a barrier: the runs start at weight rows first0 and first1 of expert e.
+  __device__ __forceinline__ void load_prefix(const ScaleSource& s, int e, std::uint32_t first0,
+                                              std::uint32_t first1, int tid, int threads) {
+    for (int idx = tid; idx < 34; idx += threads) {
+      const std::uint32_t run = idx < 17 ? 0u : 1u, q = idx - 17 * run;
+      run_prefix[run][q] = s.row_prefix[std::uint64_t(e) * s.padded_rows + (run == 0 ? first0 : first1) + q];
+    }
+  }
+  // Step 2, after it and before another: the records and the row ranges.
+  // Returns whether the records were staged (else lanes read global memory).
+  __device__ __forceinline__ bool stage(const ScaleSource& s, int tid, int threads) {
+    const std::uint32_t b0 = run_prefix[0][0], n0 = run_prefix[0][16] - b0;
+    const std::uint32_t b1 = run_prefix[1][0], n1 = run_prefix[1][16] - b1;
+    const bool fits = n0 + n1 <= kCapacity;
+    if (fits)
+      for (std::uint32_t idx = tid; idx < n0 + n1; idx += threads)
+        records[idx] = s.exceptions[idx < n0 ? b0 + idx : b1 + (idx - n0)];
+    for (int r = tid; r < 32; r += threads) {
+      const int run = r / 16, lr = r % 16;
+      const std::uint32_t shift = !fits ? 0u : run == 0 ? 0u - b0 : n0 - b1;
+      row_range[r][0] = run_prefix[run][lr] + shift;
+      row_range[r][1] = run_prefix[run][lr + 1] + shift;
+    }
+    return fits;
+  }
+  __device__ __forceinline__ std::uint32_t record(const ScaleSource& s, bool staged, std::uint32_t i) const {
+    return staged ? records[i] : s.exceptions[i];
+  }
+};
+
+// The exception records of a lane's four rows. A lane visits its K blocks in
+// ascending order, so one cursor per row suffices: records before the current
+// block belong to other lanes or warps and are skipped. `soonest` (the
+// smallest column among the cursors' records) lets a K block without an
+// exception cost one comparison.
 template <ScaleFormat F>
 struct LaneExceptions {
   static constexpr std::uint32_t kNone = 0xFFFFFFFFu;
   static constexpr std::uint32_t kColsPerBlock = 128 / group_size(F);
+  bool staged;  // BlockExceptions::stage
   std::uint32_t next[4];
   std::uint32_t soonest = kNone;
 
+  // Block row of the lane's row c (decode lane layout: chunk c = 2i + h holds 16i + g + 8h).
+  __device__ __forceinline__ static int block_row(int c, int g) { return 16 * (c / 2) + g + 8 * (c % 2); }
   // Column of record i of the row starting at position first, or kNone past end.
-  __device__ __forceinline__ static std::uint32_t column(const ScaleSource& s, std::uint32_t i,
-                                                         std::uint32_t end, std::uint32_t first) {
-    return i < end ? (s.exceptions[i] & 0xFFFFFFu) - first : kNone;
-  }
-  __device__ __forceinline__ static std::uint64_t prefix_at(const ScaleSource& s, int e, std::uint32_t row) {
-    return std::uint64_t(e) * s.padded_rows + row;
+  __device__ __forceinline__ std::uint32_t column(const ScaleSource& s, const BlockExceptions& b,
+                                                  std::uint32_t i, std::uint32_t end,
+                                                  std::uint32_t first) const {
+    return i < end ? (b.record(s, staged, i) & 0xFFFFFFu) - first : kNone;
   }
 
-  __device__ __forceinline__ void start(const ScaleSource& s, int e, const std::uint32_t (&rows)[4]) {
+  // rows: the lane's weight rows; g: lane / 4.
+  __device__ __forceinline__ void start(const ScaleSource& s, const BlockExceptions& b,
+                                        const std::uint32_t (&rows)[4], int g) {
     soonest = kNone;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const std::uint64_t pr = prefix_at(s, e, rows[c]);
-      next[c] = s.row_prefix[pr];
-      const std::uint32_t col = column(s, next[c], s.row_prefix[pr + 1], rows[c] * s.padded_cols);
+      const int br = block_row(c, g);
+      next[c] = b.row_range[br][0];
+      const std::uint32_t col = column(s, b, next[c], b.row_range[br][1], rows[c] * s.padded_cols);
       soonest = col < soonest ? col : soonest;
     }
   }
@@ -247,20 +291,20 @@ struct LaneExceptions {
   // Patches the lane's gathered bytes u (LaneScales layout) of K block kb
   // with the records of its columns; advances the cursors past the block.
   template <int kWords>
-  __device__ __forceinline__ void patch(const ScaleSource& s, int e, const std::uint32_t (&rows)[4],
-                                        std::uint32_t kb, std::uint32_t t, std::uint32_t (&u)[kWords]) {
+  __device__ __forceinline__ void patch(const ScaleSource& s, const BlockExceptions& b,
+                                        const std::uint32_t (&rows)[4], int g, std::uint32_t kb,
+                                        std::uint32_t t, std::uint32_t (&u)[kWords]) {
     constexpr std::uint32_t kLaneCols = F == ScaleFormat::nvfp4 ? 2 : 1;
     const std::uint32_t end_col = (kb + 1) * kColsPerBlock, lane_col = kb * kColsPerBlock + t * kLaneCols;
     soonest = kNone;
     for (int c = 0; c < 4; ++c) {
-      const std::uint64_t pr = prefix_at(s, e, rows[c]);
-      const std::uint32_t end = s.row_prefix[pr + 1], first = rows[c] * s.padded_cols;
+      const std::uint32_t end = b.row_range[block_row(c, g)][1], first = rows[c] * s.padded_cols;
       std::uint32_t i = next[c], col;
-      while ((col = column(s, i, end, first)) < end_col) {
+      while ((col = column(s, b, i, end, first)) < end_col) {
         if (col - lane_col < kLaneCols) {
           const std::uint32_t byte = F == ScaleFormat::nvfp4 ? 2 * (c % 2) + (col - lane_col) : c;
           std::uint32_t& word = u[F == ScaleFormat::nvfp4 ? c / 2 : 0];
-          word = (word & ~(0xFFu << (8 * byte))) | ((s.exceptions[i] >> 24) << (8 * byte));
+          word = (word & ~(0xFFu << (8 * byte))) | ((b.record(s, staged, i) >> 24) << (8 * byte));
         }
         ++i;
       }
