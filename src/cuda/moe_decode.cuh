@@ -89,10 +89,10 @@ struct DecodeSmem {
 // barrier-bound epilogue, so warps should stream many K blocks; but a launch
 // that fills the GPU's warp slots only about once runs slower than one of
 // about two waves, and warps of very few K blocks lose again. Defaults:
-// about 14 K blocks per warp, then more warps while the launch fills fewer
+// about 28 K blocks per warp, then more warps while the launch fills fewer
 // than 2 waves and each warp keeps at least 4 K blocks.
 struct DecodeShapeRule {
-  std::uint32_t kblocks_per_warp = 14;
+  std::uint32_t kblocks_per_warp = 28;
   std::uint32_t min_kblocks_per_warp = 4;
   std::uint32_t waves = 2;
 };
