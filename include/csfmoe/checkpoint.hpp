@@ -25,10 +25,10 @@ struct Progress {
 using ProgressFn = std::function<void(const Progress&)>;
 
 struct CompressOptions {
-  unsigned threads = 0;                             // 0: all hardware threads
-  ScaleLayout layout = ScaleLayout::row_major;      // how scale tensors are laid out in the source
-  bool keep_unprofitable = true;                    // keep a tensor native when CSF would be larger
-  ProgressFn progress;                              // optional
+  unsigned threads = 0;                         // 0: all hardware threads
+  ScaleLayout layout = ScaleLayout::row_major;  // how scale tensors are laid out in the source
+  bool keep_unprofitable = true;                // keep a tensor native when CSF would be larger
+  ProgressFn progress;                          // optional
   // compress only: tensor-parallel slice to store (tp > 1): MoE expert
   // projections are cut along N for rank tp_rank before encoding; the output
   // records tp/rank and decompresses to the sliced native file (see
@@ -44,9 +44,9 @@ enum class TensorAction {
 };
 
 struct TensorReport {
-  std::string file;    // file name inside the checkpoint
-  std::string name;    // tensor name in the source
-  std::string dtype;   // safetensors dtype of the source tensor
+  std::string file;   // file name inside the checkpoint
+  std::string name;   // tensor name in the source
+  std::string dtype;  // safetensors dtype of the source tensor
   std::vector<std::uint64_t> shape;
   TensorAction action = TensorAction::passthrough;
   std::optional<ScaleFormat> format;  // set for block-scale tensors
@@ -60,9 +60,9 @@ struct CheckpointReport {
   std::vector<TensorReport> tensors;
   // Totals over block-scale tensors only.
   std::uint64_t scale_source_bytes = 0;
-  std::uint64_t scale_stored_bytes = 0;   // as stored (CSF or native kept)
-  std::uint64_t file_source_bytes = 0;    // all tensors, source
-  std::uint64_t file_stored_bytes = 0;    // all tensors, as stored
+  std::uint64_t scale_stored_bytes = 0;  // as stored (CSF or native kept)
+  std::uint64_t file_source_bytes = 0;   // all tensors, source
+  std::uint64_t file_stored_bytes = 0;   // all tensors, as stored
 };
 
 // in: a .safetensors file or a folder (sharded with model.safetensors.index.json,

@@ -34,12 +34,12 @@ struct GridShape {
 // row * padded_cols + col in logical (un-swizzled) padded coordinates.
 struct CsfGeometry {
   GridShape shape;
-  std::uint32_t padded_rows = 0;        // rows rounded up to csf_partition_rows
-  std::uint32_t padded_cols = 0;        // cols rounded up to csf_col_granule
-  std::uint32_t slab_rows = 0;          // 128 (NVFP4) or 16 (MXFP4)
-  std::uint64_t slab_bytes = 0;         // NVFP4 128*(1+Cp/2); MXFP4 16*(1+ceil(Cp/8))
+  std::uint32_t padded_rows = 0;  // rows rounded up to csf_partition_rows
+  std::uint32_t padded_cols = 0;  // cols rounded up to csf_col_granule
+  std::uint32_t slab_rows = 0;    // 128 (NVFP4) or 16 (MXFP4)
+  std::uint64_t slab_bytes = 0;   // NVFP4 128*(1+Cp/2); MXFP4 16*(1+ceil(Cp/8))
   std::uint64_t fixed_bytes_per_expert = 0;
-  std::uint32_t partition_rows = 0;     // 128 (NVFP4) or 64 (MXFP4)
+  std::uint32_t partition_rows = 0;  // 128 (NVFP4) or 64 (MXFP4)
   std::uint32_t partitions_per_expert = 0;
 
   // Validates the shape (non-zero dims, swizzle alignment, 2^24 positions
@@ -109,8 +109,8 @@ void validate(const CsfTensor& tensor);
 
 // Summary used by `csf inspect`.
 struct CsfStats {
-  std::uint64_t rows = 0;              // true rows over all experts
-  std::uint64_t values = 0;            // true bytes over all experts
+  std::uint64_t rows = 0;    // true rows over all experts
+  std::uint64_t values = 0;  // true bytes over all experts
   std::uint64_t exceptions = 0;
   std::uint32_t distinct_bases = 0;
   std::uint64_t source_bytes = 0;

@@ -39,10 +39,12 @@ enum class ScaleDistribution {
 };
 
 // A native scale tensor (shape.layout) with the given byte distribution.
-std::vector<std::uint8_t> synthetic_scales(const GridShape& shape, ScaleDistribution dist, std::uint64_t seed);
+std::vector<std::uint8_t> synthetic_scales(const GridShape& shape, ScaleDistribution dist,
+                                           std::uint64_t seed);
 
 // A quantized expert matrix (rows x cols) from random weights with
 // realistic per-row and per-block magnitude variation.
-QuantizedMatrix synthetic_expert_matrix(ScaleFormat f, std::size_t rows, std::size_t cols, std::uint64_t seed);
+QuantizedMatrix synthetic_expert_matrix(ScaleFormat f, std::size_t rows, std::size_t cols,
+                                        std::uint64_t seed);
 
 }  // namespace csfmoe

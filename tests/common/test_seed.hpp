@@ -25,6 +25,6 @@ inline std::string seed_note(std::uint64_t seed) {
 }  // namespace csfmoe::testing
 
 // Draws a fresh seed into `var` and traces it for every failure in scope.
-#define CSFMOE_SEEDED(var)                                  \
+#define CSFMOE_SEEDED(var)                                   \
   const std::uint64_t var = ::csfmoe::testing::fresh_seed(); \
   SCOPED_TRACE(::csfmoe::testing::seed_note(var))
