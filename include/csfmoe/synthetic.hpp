@@ -11,6 +11,16 @@
 
 namespace csfmoe {
 
+// splitmix64: advances `state` and returns the next 64 random bits. The seed
+// expander of every generator here; its output is fixed (the bundled sample
+// and the tests' expected data depend on it).
+inline std::uint64_t splitmix64(std::uint64_t& s) {
+  std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
 struct MoeGeometry {
   std::string_view name;
   std::uint32_t hidden = 0;        // H

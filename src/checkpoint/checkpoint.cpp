@@ -57,6 +57,21 @@ CodecOptions codec_options(const CompressOptions& o) {
   return c;
 }
 
+// The container entry of scale tensor t stored as CSF (the upper bound pass
+// uses UINT32_MAX and the largest exception count).
+CsfEntry csf_entry(const st::TensorInfo& t, const ScaleCandidate& c, std::uint32_t crc32,
+                   std::uint64_t exceptions) {
+  CsfEntry e;
+  e.name = t.name;
+  e.dtype = t.dtype;
+  e.shape = t.shape;
+  e.grid = c.shape;
+  e.crc32 = crc32;
+  e.exceptions = exceptions;
+  e.layer = c.layer;
+  return e;
+}
+
 // Tensors in data order (stable for empty tensors that share an offset).
 std::vector<const st::TensorInfo*> data_order(const st::Header& h) {
   std::vector<const st::TensorInfo*> v;
@@ -180,15 +195,7 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
         push(p.exceptions, st::Dtype::U32, 4 * values, {values});
         push(p.row_prefix, st::Dtype::U32, 4 * rp, {rp});
         push(p.partition_index, st::Dtype::U32, 4 * pi, {pi});
-        CsfEntry e;
-        e.name = t->name;
-        e.dtype = t->dtype;
-        e.shape = t->shape;
-        e.grid = c->shape;
-        e.crc32 = UINT32_MAX;
-        e.exceptions = values;
-        e.layer = c->layer;
-        ub.csf.push_back(std::move(e));
+        ub.csf.push_back(csf_entry(*t, *c, UINT32_MAX, values));
         // Its native entry (if kept) and the reason string in the descriptor.
         reserve += 2 * ojson(t->name).dump().size() + 21 * (t->shape.size() + 2) + 512;
       } else {
@@ -250,15 +257,7 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
             w->add_tensor(p.partition_index, st::Dtype::U32, {enc.partition_index.size()},
                           as_bytes(enc.partition_index));
           }
-          CsfEntry e;
-          e.name = t->name;
-          e.dtype = t->dtype;
-          e.shape = t->shape;
-          e.grid = cand->shape;
-          e.crc32 = c32;
-          e.exceptions = enc.exceptions.size();
-          e.layer = cand->layer;
-          info.csf.push_back(std::move(e));
+          info.csf.push_back(csf_entry(*t, *cand, c32, enc.exceptions.size()));
           result.csf_names.insert(t->name);
         }
       }

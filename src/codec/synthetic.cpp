@@ -35,14 +35,8 @@ namespace csfmoe {
 namespace {
 
 // ---------------------------------------------------------------------------
-// Random numbers: xoshiro256** seeded through splitmix64.
+// Random numbers: xoshiro256** seeded through splitmix64 (csfmoe/synthetic.hpp).
 // ---------------------------------------------------------------------------
-std::uint64_t splitmix64(std::uint64_t& s) {
-  std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 
 class Rng {
  public:

@@ -26,12 +26,7 @@ void expect_size(const char* member, std::size_t have, std::uint64_t want) {
 // Plain splitmix64: cheap, good enough for weights of a benchmark layer.
 struct Mix {
   std::uint64_t s;
-  std::uint64_t next() {
-    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
+  std::uint64_t next() { return splitmix64(s); }
 };
 
 double scale_value(ScaleFormat f, std::uint8_t b) {

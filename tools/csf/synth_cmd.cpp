@@ -25,13 +25,6 @@ namespace csfmoe::cli {
 
 namespace {
 
-std::uint64_t splitmix64(std::uint64_t& s) {
-  std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
 // Random FP4 nibbles, written in 1 MiB chunks so huge experts never sit in memory.
 OutTensor random_bytes_tensor(std::string name, std::vector<std::uint64_t> shape, std::uint64_t seed) {
   std::uint64_t total = 1;
