@@ -354,7 +354,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   gp.act = act;
   // Token passes of 8 up to 32 tokens: at those sizes nearly every expert
   // tile holds at most 8 rows (one pass), and a wider pass's larger register
-  // set costs per pass. Passes of 16 (no spills) up to 512 tokens, of 32 (the
+  // set costs per pass. Passes of 16 (hardly spilling) up to 512 tokens, of 32 (the
   // fewest weight re-reads per tile, but spilling) above.
   using moe_detail::GemmPath;
   const GemmPath path = b.kernel_for(tokens) == MoeKernel::tiled ? GemmPath::tiled
