@@ -79,7 +79,6 @@ constexpr int kDecodeStageVecs = (kDecodeChunksPerLane + 1) * 32;
 
 // Host and device agree on the dynamic shared memory layout through these.
 struct DecodeSmem {
-  std::uint32_t warps = 0, nt = 0;
   std::uint32_t ring_bytes = 0;  // per-warp rings, later the partial sums
   std::uint32_t total = 0;
 };
@@ -113,10 +112,8 @@ CSFMOE_HD std::uint32_t decode_warps(std::uint32_t kblocks, std::uint64_t blocks
 // nt; CSF blocks also stage their exception records (BlockExceptions).
 CSFMOE_HD DecodeSmem decode_smem(std::uint32_t warps, std::uint32_t nt, bool csf) {
   DecodeSmem s;
-  s.warps = warps;
-  s.nt = nt;
-  const std::uint32_t ring = s.warps * kDecodeStages * kDecodeStageVecs * 16;
-  const std::uint32_t partial = s.warps * kDecodeRows * 8 * nt * 4;
+  const std::uint32_t ring = warps * kDecodeStages * kDecodeStageVecs * 16;
+  const std::uint32_t partial = warps * kDecodeRows * 8 * nt * 4;
   s.ring_bytes = ring > partial ? ring : partial;
   s.total = s.ring_bytes + kTileM * 4 + (csf ? std::uint32_t(sizeof(BlockExceptions)) : 0u);
   return s;
@@ -234,12 +231,11 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
   const int my_blocks = warp < int(kblocks) ? (int(kblocks) - 1 - warp) / warps + 1 : 0;
   const std::uint64_t row_bytes = p.k / 2;
   const std::uint8_t* w_e = p.w + std::uint64_t(e) * p.out_rows * row_bytes;
-  // Lane chunk c = 2i + h holds block row 16i + g + 8h.
-  std::uint32_t rows[kDecodeChunksPerLane];
+  std::uint32_t rows[kDecodeChunksPerLane];  // the lane's weight rows
   const std::uint8_t* src[kDecodeChunksPerLane];
 #pragma unroll
   for (int c = 0; c < kDecodeChunksPerLane; ++c) {
-    rows[c] = wrow(LaneExceptions<F>::block_row(c, g));
+    rows[c] = wrow(decode_lane_row(c, g));
     src[c] = w_e + std::uint64_t(rows[c]) * row_bytes + t * 16;
   }
   const LaneScales<F, K> lane_scales(p.scales, expert_scales<K>(p.scales, e), rows, t);

@@ -51,7 +51,7 @@ void decode_launch(const GemmParams& p, cudaStream_t stream) {
   const std::uint32_t warps =
       launch_warps(p.k / kDecodeKBlock, std::uint64_t(p.max_tiles) * row_blocks, p.sm_count);
   const DecodeSmem s = decode_smem(warps, NT, K == ScaleKind::csf);
-  moe_decode_kernel<F, K, GateUp, NT><<<dim3(p.max_tiles, row_blocks), s.warps * 32, s.total, stream>>>(p);
+  moe_decode_kernel<F, K, GateUp, NT><<<dim3(p.max_tiles, row_blocks), warps * 32, s.total, stream>>>(p);
 }
 
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
@@ -86,8 +86,7 @@ bool decode_shape_ok(std::uint32_t hidden, std::uint32_t intermediate) {
   return hidden % kDecodeKBlock == 0 && intermediate % kDecodeKBlock == 0;
 }
 
-std::uint32_t decode_smem_bytes(ScaleFormat f, std::uint32_t k) {
-  (void)f;  // the scales travel in the weight ring: the same layout for both formats
+std::uint32_t decode_smem_bytes(std::uint32_t k) {
   const std::uint32_t kblocks = k / kDecodeKBlock;
   // The largest block decode_warps can choose, with the widest token pass.
   return decode_smem(kblocks < kDecodeMaxWarps ? kblocks : kDecodeMaxWarps, 4, true).total;

@@ -84,7 +84,7 @@ void launch_down(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t
 // their shared memory fits the device (decode_smem_bytes <= opt-in maximum).
 // configure_decode_kernels lets them use it on the current device.
 bool decode_shape_ok(std::uint32_t hidden, std::uint32_t intermediate);
-std::uint32_t decode_smem_bytes(ScaleFormat f, std::uint32_t k);
+std::uint32_t decode_smem_bytes(std::uint32_t k);  // both formats: the scales travel in the ring
 void configure_decode_kernels(std::uint32_t smem_bytes);
 void launch_decode(ScaleFormat f, bool gate_up, GemmPath path, const GemmParams& p, cudaStream_t stream);
 

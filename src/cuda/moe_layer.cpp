@@ -246,8 +246,8 @@ BoundMoe bind(const MoeWeights& w, cudaStream_t stream, std::uint32_t max_tokens
     int optin = 0;
     cuda_check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, w.source().device),
                "bind: shared memory per block");
-    const std::uint32_t need = std::max(moe_detail::decode_smem_bytes(p.format, g.hidden),
-                                        moe_detail::decode_smem_bytes(p.format, g.intermediate));
+    const std::uint32_t need =
+        std::max(moe_detail::decode_smem_bytes(g.hidden), moe_detail::decode_smem_bytes(g.intermediate));
     if (need <= std::uint32_t(optin)) {
       moe_detail::configure_decode_kernels(std::uint32_t(optin));
       int sms = 0;

@@ -86,6 +86,10 @@ __device__ __forceinline__ std::uint8_t csf_fixed_scale(const ScaleSource& s, in
   }
 }
 
+// Block row (0..31) of a decode lane's row c: lane chunk c = 2i + h holds
+// row 16i + g + 8h, g = lane / 4 (the two m16 MMA row tiles of the block).
+__device__ __forceinline__ int decode_lane_row(int c, int g) { return 16 * (c / 2) + g + 8 * (c % 2); }
+
 // The block-scale bytes one decode lane (src/cuda/moe_decode.cuh) needs per
 // 128-wide K block kb, streamed through its cp.async ring. Lane t of a quad
 // covers K 32t..32t+31 of each of its four rows c = 0..3 per K block: NVFP4
@@ -263,8 +267,6 @@ struct LaneExceptions {
   std::uint32_t next[4];
   std::uint32_t soonest = kNone;
 
-  // Block row of the lane's row c (decode lane layout: chunk c = 2i + h holds 16i + g + 8h).
-  __device__ __forceinline__ static int block_row(int c, int g) { return 16 * (c / 2) + g + 8 * (c % 2); }
   // Column of record i of the row starting at position first, or kNone past end.
   __device__ __forceinline__ std::uint32_t column(const ScaleSource& s, const BlockExceptions& b,
                                                   std::uint32_t i, std::uint32_t end,
@@ -278,7 +280,7 @@ struct LaneExceptions {
     soonest = kNone;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const int br = block_row(c, g);
+      const int br = decode_lane_row(c, g);
       next[c] = b.row_range[br][0];
       const std::uint32_t col = column(s, b, next[c], b.row_range[br][1], rows[c] * s.padded_cols);
       soonest = col < soonest ? col : soonest;
@@ -298,7 +300,7 @@ struct LaneExceptions {
     const std::uint32_t end_col = (kb + 1) * kColsPerBlock, lane_col = kb * kColsPerBlock + t * kLaneCols;
     soonest = kNone;
     for (int c = 0; c < 4; ++c) {
-      const std::uint32_t end = b.row_range[block_row(c, g)][1], first = rows[c] * s.padded_cols;
+      const std::uint32_t end = b.row_range[decode_lane_row(c, g)][1], first = rows[c] * s.padded_cols;
       std::uint32_t i = next[c], col;
       while ((col = column(s, b, i, end, first)) < end_col) {
         if (col - lane_col < kLaneCols) {
