@@ -86,11 +86,12 @@ struct MoeWorkspace {
 std::uint64_t moe_workspace_bytes(const MoePlan& plan, std::uint32_t max_tokens);
 
 // The GEMM kernels a call can run on: the weight-streaming decode kernel
-// (tokens are the MMA's narrow side; best while experts see few tokens) or the
-// tiled kernel (64 x 64 tiles; large calls). Both give results within the
-// same error bound; each is deterministic, and all scale modes of one kernel
+// (tokens are the MMA's narrow side; best while experts see few tokens), the
+// Hopper prefill kernel (wgmma; large calls on sm_90), or the tiled kernel
+// (64 x 64 tiles; any shape and device). All give results within the same
+// error bound; each is deterministic, and all scale modes one kernel runs
 // give identical bits.
-enum class MoeKernel { decode, tiled };
+enum class MoeKernel { decode, tiled, prefill };
 const char* to_string(MoeKernel k);
 
 struct MoeBindOptions {
@@ -105,6 +106,13 @@ struct MoeBindOptions {
   // (T = 1..8192), where the decode kernel was the faster of the two
   // (bench/RESULTS.md).
   std::uint32_t decode_max_tokens = 8192;
+  // Calls with T >= prefill_min_tokens run the prefill kernel where it
+  // applies: an sm_90 device, H a multiple of 256 and N of 128, and a call
+  // whose scales are dense (native, expanded or routed; a stage-read call
+  // runs the decode kernel). It takes precedence over decode_max_tokens;
+  // 0xFFFFFFFF never uses it. The default is the crossover measured on the
+  // H200 (bench/RESULTS.md).
+  std::uint32_t prefill_min_tokens = 1024;
 };
 
 // A frozen launch configuration: stream, token bound, workspace, and the rule
@@ -134,6 +142,7 @@ class BoundMoe {
   MoeWorkspace workspace_;
   bool scales_expanded_ = false;
   bool decode_ok_ = false;      // the layer's shape suits the decode kernel on its device
+  bool prefill_ok_ = false;     // ... and the prefill kernel
   std::uint32_t sm_count_ = 0;  // of the layer's device: sizes the decode kernel's blocks
   MoeBindOptions options_;
 };

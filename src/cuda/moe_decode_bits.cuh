@@ -1,4 +1,5 @@
-// Bit-level conversions of the decode kernel (src/cuda/moe_decode.cuh).
+// Bit-level conversions of the decode kernel (src/cuda/moe_decode.cuh), and
+// the K order the prefill kernel (src/cuda/moe_prefill.cuh) shares with it.
 //
 // Plain integer code, host and device, so that the CPU tests can check every
 // input exhaustively (tests/cpu/test_decode_bits.cpp) against the format
@@ -83,6 +84,27 @@ CSFMOE_HD std::uint32_t scale_pair_bf16(std::uint32_t v) {
     return ((t & 0x007F007Fu) * 16u + 0x77007700u) | ((t << 8) & 0x80008000u);
   else
     return t << 7;
+}
+
+// The prefill kernel's K permutation (src/cuda/moe_prefill.cuh), the decode
+// kernel's lane order written out, within a 128-wide K block: the
+// activations are stored permuted so that shared memory can be filled with
+// plain 16-byte copies. Logical position l (the
+// order of the k16 steps: step l / 16, position l % 16 of the MMA's K) holds
+// physical K prefill_k_source(l); prefill_k_slot is its inverse. Lane t of a
+// quad covers physical K 32t..32t+31; step s = 2w + h takes the nibbles
+// j = 2h and 2h + 1 of its word w, i.e. E2M1 pairs (8w + j, 8w + j + 4).
+CSFMOE_HD constexpr std::uint32_t prefill_k_source(std::uint32_t l) {
+  const std::uint32_t s = l >> 4, q = (l >> 3) & 1, t = (l >> 1) & 3, e = l & 1;
+  return 32 * t + 8 * (s >> 1) + 2 * (s & 1) + q + 4 * e;
+}
+CSFMOE_HD constexpr std::uint32_t prefill_k_slot(std::uint32_t p) {
+  const std::uint32_t t = p >> 5, w = (p >> 3) & 3, h = (p >> 1) & 1, q = p & 1, e = (p >> 2) & 1;
+  return 16 * (2 * w + h) + 8 * q + 2 * t + e;
+}
+// Column of the permuted copy of a row that holds column k of the original.
+CSFMOE_HD constexpr std::uint32_t prefill_permuted_column(std::uint32_t k) {
+  return (k & ~std::uint32_t(128 - 1)) | prefill_k_slot(k & (128 - 1));
 }
 
 }  // namespace csfmoe::moe_detail::decode_bits

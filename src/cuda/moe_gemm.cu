@@ -33,6 +33,8 @@ void launch_gate_up(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStrea
   if (p.max_tiles == 0) return;
   if (path == GemmPath::tiled)
     kGemm[int(f)][int(p.scales.kind)][1](p, stream);
+  else if (path == GemmPath::prefill)
+    launch_prefill(f, true, p, stream);
   else
     launch_decode(f, true, path, p, stream);
   check_launch("moe gate/up GEMM");
@@ -42,6 +44,8 @@ void launch_down(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t
   if (p.max_tiles == 0) return;
   if (path == GemmPath::tiled)
     kGemm[int(f)][int(p.scales.kind)][0](p, stream);
+  else if (path == GemmPath::prefill)
+    launch_prefill(f, false, p, stream);
   else
     launch_decode(f, false, path, p, stream);
   check_launch("moe down GEMM");

@@ -73,9 +73,10 @@ struct GemmParams {
   float* slot_out = nullptr;
 };
 
-// Which GEMM kernel runs a call: the tiled kernel (moe_gemm.cuh), or the
-// weight-streaming decode kernel (moe_decode.cuh) with token passes of 8, 16 or 32.
-enum class GemmPath : int { tiled = 0, decode_8 = 1, decode_16 = 2, decode_32 = 3 };
+// Which GEMM kernel runs a call: the tiled kernel (moe_gemm.cuh), the
+// weight-streaming decode kernel (moe_decode.cuh) with token passes of 8, 16
+// or 32, or the Hopper wgmma prefill kernel (moe_prefill.cuh).
+enum class GemmPath : int { tiled = 0, decode_8 = 1, decode_16 = 2, decode_32 = 3, prefill = 4 };
 
 void launch_gate_up(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t stream);
 void launch_down(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t stream);
@@ -87,6 +88,18 @@ bool decode_shape_ok(std::uint32_t hidden, std::uint32_t intermediate);
 std::uint32_t decode_smem_bytes(std::uint32_t k);  // both formats: the scales travel in the ring
 void configure_decode_kernels(std::uint32_t smem_bytes);
 void launch_decode(ScaleFormat f, bool gate_up, GemmPath path, const GemmParams& p, cudaStream_t stream);
+
+// Prefill kernels: H a multiple of 256 and N of 128, dense scales only (not
+// stage-read CSF), on sm_90. configure_prefill_kernels returns whether the
+// device runs them (and lets them use their shared memory there). Their
+// activations are K-permuted (prefill_k_source): launch_prefill_permute
+// writes the permuted copy of the hidden rows for gate/up, whose epilogue
+// writes act permuted for down.
+bool prefill_shape_ok(std::uint32_t hidden, std::uint32_t intermediate);
+bool configure_prefill_kernels(int device);
+void launch_prefill_permute(const std::uint16_t* in, std::uint16_t* out, std::uint32_t rows, std::uint32_t k,
+                            cudaStream_t stream);
+void launch_prefill(ScaleFormat f, bool gate_up, const GemmParams& p, cudaStream_t stream);
 
 struct CombineParams {
   const float* slot_out = nullptr;

@@ -192,9 +192,13 @@ MoeScaleMode BoundMoe::mode_for(std::uint32_t tokens) const {
   return tokens <= p.constraints.stage_read_max_tokens ? MoeScaleMode::stage_read : MoeScaleMode::routed;
 }
 
-const char* to_string(MoeKernel k) { return k == MoeKernel::decode ? "decode" : "tiled"; }
+const char* to_string(MoeKernel k) {
+  return k == MoeKernel::decode ? "decode" : k == MoeKernel::prefill ? "prefill" : "tiled";
+}
 
 MoeKernel BoundMoe::kernel_for(std::uint32_t tokens) const {
+  if (prefill_ok_ && tokens >= options_.prefill_min_tokens && mode_for(tokens) != MoeScaleMode::stage_read)
+    return MoeKernel::prefill;
   return decode_ok_ && tokens <= options_.decode_max_tokens ? MoeKernel::decode : MoeKernel::tiled;
 }
 
@@ -257,6 +261,8 @@ BoundMoe bind(const MoeWeights& w, cudaStream_t stream, std::uint32_t max_tokens
       b.decode_ok_ = true;
     }
   }
+  if (options.prefill_min_tokens <= max_tokens && moe_detail::prefill_shape_ok(g.hidden, g.intermediate))
+    b.prefill_ok_ = moe_detail::configure_prefill_kernels(w.source().device);
   b.weights_ = &w;
   b.stream_ = stream;
   b.max_tokens_ = max_tokens;
@@ -357,10 +363,20 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   // set costs per pass. Passes of 16 (hardly spilling) up to 512 tokens, of 32 (the
   // fewest weight re-reads per tile, but spilling) above.
   using moe_detail::GemmPath;
-  const GemmPath path = b.kernel_for(tokens) == MoeKernel::tiled ? GemmPath::tiled
-                        : tokens <= 32                           ? GemmPath::decode_8
-                        : tokens <= 512                          ? GemmPath::decode_16
-                                                                 : GemmPath::decode_32;
+  const MoeKernel kernel = b.kernel_for(tokens);
+  const GemmPath path = kernel == MoeKernel::tiled     ? GemmPath::tiled
+                        : kernel == MoeKernel::prefill ? GemmPath::prefill
+                        : tokens <= 32                 ? GemmPath::decode_8
+                        : tokens <= 512                ? GemmPath::decode_16
+                                                       : GemmPath::decode_32;
+  if (path == GemmPath::prefill) {
+    // The prefill kernel reads K-permuted activations. slot_out is written
+    // only by the down GEMM, after gate/up has read this copy.
+    auto* permuted = reinterpret_cast<std::uint16_t*>(slot_out);
+    moe_detail::launch_prefill_permute(static_cast<const std::uint16_t*>(hidden), permuted, tokens, g.hidden,
+                                       b.stream_);
+    gp.a = permuted;
+  }
   moe_detail::launch_gate_up(p.format, path, gp, b.stream_);
 
   moe_detail::GemmParams dp = gp;

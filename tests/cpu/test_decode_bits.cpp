@@ -123,5 +123,35 @@ TEST(DecodeBits, PackedScaleWordsMatchBytewiseConversion) {
         }
 }
 
+// The prefill kernel's K order: a bijection of each 128-wide K block whose
+// inverse is prefill_k_slot, and which puts at every position of the wgmma A
+// fragment (m16n8k16 layout per warp: thread t holds K columns 2t + 8q + e of
+// step s) the physical K that the kernel's dequantization writes there: step
+// 2w + h of thread t takes e2m1_pair<2h + q> of its word w, i.e. K
+// 32t + 8w + (2h + q) + 4e of its 32 consecutive K.
+TEST(DecodeBits, PrefillKOrderMatchesTheDequantizedFragment) {
+  std::uint32_t seen[128] = {};
+  for (std::uint32_t l = 0; l < 128; ++l) {
+    const std::uint32_t k = prefill_k_source(l);
+    ASSERT_LT(k, 128u);
+    ++seen[k];
+    EXPECT_EQ(prefill_k_slot(k), l) << "l=" << l;
+  }
+  for (std::uint32_t k = 0; k < 128; ++k) EXPECT_EQ(seen[k], 1u) << "k=" << k;
+  for (std::uint32_t t = 0; t < 4; ++t)
+    for (std::uint32_t w = 0; w < 4; ++w)
+      for (std::uint32_t h = 0; h < 2; ++h)
+        for (std::uint32_t q = 0; q < 2; ++q)
+          for (std::uint32_t e = 0; e < 2; ++e) {
+            const std::uint32_t step = 2 * w + h, column = 2 * t + 8 * q + e;
+            EXPECT_EQ(prefill_k_source(16 * step + column), 32 * t + 8 * w + (2 * h + q) + 4 * e)
+                << "t=" << t << " w=" << w << " h=" << h << " q=" << q << " e=" << e;
+          }
+  // Whole rows: block b of a row moves within itself.
+  for (std::uint32_t k : {0u, 5u, 127u, 128u, 300u, 7167u})
+    EXPECT_EQ(prefill_permuted_column(k) / 128, k / 128) << "k=" << k;
+  EXPECT_EQ(prefill_permuted_column(128 + 32), 128 + prefill_k_slot(32));
+}
+
 }  // namespace
 }  // namespace csfmoe::moe_detail::decode_bits

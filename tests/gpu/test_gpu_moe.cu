@@ -209,11 +209,30 @@ struct Call {
 // Runs one call in `mode` with poisoned output; returns the bf16 output.
 // The decode kernel needs H and N to be multiples of 128; others run tiled.
 bool decode_fits(const MoeLayerGeometry& g) { return g.hidden % 128 == 0 && g.intermediate % 128 == 0; }
+// The prefill kernel needs H % 256, N % 128 and an sm_90 device.
+bool sm90() {
+  int dev = 0, major = 0, minor = 0;
+  check(cudaGetDevice(&dev), "device");
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cc major");
+  check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cc minor");
+  return major == 9 && minor == 0;
+}
+bool prefill_fits(const MoeLayerGeometry& g) {
+  return g.hidden % 256 == 0 && g.intermediate % 128 == 0 && sm90();
+}
+
+// The kernel a call asking for `kernel` runs on (the others' fallbacks).
+MoeKernel expected_kernel(const MoeLayerGeometry& g, MoeScaleMode mode, MoeKernel kernel) {
+  if (kernel == MoeKernel::prefill && prefill_fits(g) && mode != MoeScaleMode::stage_read)
+    return MoeKernel::prefill;
+  return kernel != MoeKernel::tiled && decode_fits(g) ? MoeKernel::decode : MoeKernel::tiled;
+}
 
 MoeBindOptions options_for(MoeScaleMode mode, MoeKernel kernel) {
   MoeBindOptions opt;
   opt.force_mode = mode;
-  opt.decode_max_tokens = kernel == MoeKernel::decode ? 0xFFFFFFFFu : 0u;
+  opt.decode_max_tokens = kernel == MoeKernel::tiled ? 0u : 0xFFFFFFFFu;
+  opt.prefill_min_tokens = kernel == MoeKernel::prefill ? 1u : 0xFFFFFFFFu;
   return opt;
 }
 
@@ -223,7 +242,7 @@ std::vector<std::uint16_t> run_mode(const Layer& l, MoeScaleMode mode, const Inp
   const BoundMoe b = bind(w, s, call.max_tokens, call.workspace(), mode == MoeScaleMode::expanded,
                           options_for(mode, kernel));
   EXPECT_EQ(b.mode_for(in.tokens), mode);
-  EXPECT_EQ(b.kernel_for(in.tokens), decode_fits(l.host.geometry) ? kernel : MoeKernel::tiled);
+  EXPECT_EQ(b.kernel_for(in.tokens), expected_kernel(l.host.geometry, mode, kernel));
   if (mode == MoeScaleMode::expanded) {
     // Clear the scratch first so a mode that skipped expansion would fail.
     check(cudaMemsetAsync(l.scratch13.p, 0xFF, l.scratch13.n, s), "scratch poison");
@@ -242,14 +261,17 @@ std::vector<std::uint16_t> run_mode(const Layer& l, MoeScaleMode mode, const Inp
 constexpr MoeScaleMode kModes[] = {MoeScaleMode::native, MoeScaleMode::expanded, MoeScaleMode::routed,
                                    MoeScaleMode::stage_read};
 
-// All modes of both kernels against the reference, and bitwise against each
-// other within a kernel.
+// All modes of every kernel against the reference, and bitwise against each
+// other within a kernel (the prefill kernel runs the dense-scale modes; its
+// stage-read calls run on the decode kernel, checked there).
 void check_all_modes(const Layer& l, const Inputs& in, Call& call, const std::string& what) {
   const std::vector<float> ref = reference(l, in);
-  for (MoeKernel kernel : {MoeKernel::decode, MoeKernel::tiled}) {
+  for (MoeKernel kernel : {MoeKernel::decode, MoeKernel::tiled, MoeKernel::prefill}) {
     if (kernel == MoeKernel::decode && !decode_fits(l.host.geometry)) continue;
+    if (kernel == MoeKernel::prefill && !prefill_fits(l.host.geometry)) continue;
     std::vector<std::uint16_t> first;
     for (MoeScaleMode m : kModes) {
+      if (kernel == MoeKernel::prefill && m == MoeScaleMode::stage_read) continue;
       SCOPED_TRACE(what + " kernel " + to_string(kernel) + " mode " + std::string(to_string(m)));
       if (m == MoeScaleMode::routed) {
         // Routed expansion only touches routed experts: poison the rest.
@@ -377,6 +399,37 @@ TEST_F(GpuMoe, DecodeAndTiledKernelsChosenByTokenCount) {
   EXPECT_EQ(bind(*lo.csf, nullptr, 64, co.workspace(), false).kernel_for(1), MoeKernel::tiled);
 }
 
+TEST_F(GpuMoe, PrefillKernelChosenFromItsThresholdForDenseScales) {
+  CSFMOE_SEEDED(seed);
+  const MoeLayerGeometry g{8, 256, 128, 2, GateUpOrder::w13};
+  Layer l(ScaleFormat::nvfp4, g, seed, 512);
+  Call call(l.plan_csf, 512);
+  const MoeKernel large = sm90() ? MoeKernel::prefill : MoeKernel::decode;
+  MoeBindOptions opt;
+  opt.prefill_min_tokens = 200;
+  const BoundMoe expanded = bind(*l.csf, nullptr, 512, call.workspace(), true, opt);
+  EXPECT_EQ(expanded.kernel_for(199), MoeKernel::decode);
+  EXPECT_EQ(expanded.kernel_for(200), large);
+  EXPECT_EQ(bind(*l.native, nullptr, 512, call.workspace(), false, opt).kernel_for(512), large);
+  // It takes precedence over decode_max_tokens ...
+  opt.decode_max_tokens = 0;
+  EXPECT_EQ(bind(*l.native, nullptr, 512, call.workspace(), false, opt).kernel_for(300), large);
+  EXPECT_EQ(bind(*l.native, nullptr, 512, call.workspace(), false, opt).kernel_for(100), MoeKernel::tiled);
+  opt.decode_max_tokens = 8192;
+  // ... but stage-read calls (compressed scales) run on the decode kernel.
+  opt.force_mode = MoeScaleMode::stage_read;
+  EXPECT_EQ(bind(*l.csf, nullptr, 512, call.workspace(), false, opt).kernel_for(512), MoeKernel::decode);
+  opt.force_mode.reset();
+  // A threshold above max_tokens, or a layer with H % 256 != 0: never.
+  opt.prefill_min_tokens = 513;
+  EXPECT_EQ(bind(*l.native, nullptr, 512, call.workspace(), false, opt).kernel_for(512), MoeKernel::decode);
+  opt.prefill_min_tokens = 1;
+  const MoeLayerGeometry narrow{4, 384, 128, 2, GateUpOrder::w13};
+  Layer ln(ScaleFormat::nvfp4, narrow, seed, 64);
+  Call cn(ln.plan_csf, 64);
+  EXPECT_EQ(bind(*ln.native, nullptr, 64, cn.workspace(), false, opt).kernel_for(64), MoeKernel::decode);
+}
+
 TEST_F(GpuMoe, InvalidIdsContributeNothingAndAreCounted) {
   CSFMOE_SEEDED(seed);
   std::mt19937_64 rng(seed);
@@ -394,7 +447,7 @@ TEST_F(GpuMoe, InvalidIdsContributeNothingAndAreCounted) {
       valid.weights[i] = 0.0f;
     }
     const std::vector<float> ref = reference(l, valid);
-    for (MoeKernel kernel : {MoeKernel::decode, MoeKernel::tiled})
+    for (MoeKernel kernel : {MoeKernel::decode, MoeKernel::tiled, MoeKernel::prefill})
       for (MoeScaleMode m : kModes) {
         SCOPED_TRACE("T=" + std::to_string(T) + " " + to_string(kernel) + " " + std::string(to_string(m)));
         const auto out = to_float(run_mode(l, m, in, call, nullptr, kernel));
