@@ -100,7 +100,8 @@ __device__ __forceinline__ int decode_lane_row(int c, int g) { return 16 * (c / 
 //   NVFP4 u[j] = (row 2j col 0, row 2j col 1, row 2j+1 col 0, row 2j+1 col 1),
 //   MXFP4 u[0] = (row 0, row 1, row 2, row 3), little-endian.
 // CSF bytes are base + offset with per-byte wrap-around, as csf_fixed_scale;
-// exception slots read offset 0 and are patched by LaneExceptions.
+// exception slots read offset 0 and are patched from the records
+// (BlockExceptions::patch, or LaneExceptions when not staged).
 template <ScaleFormat F, ScaleKind K>
 struct LaneScales {
   static constexpr int kRows = 4;
@@ -215,74 +216,194 @@ struct LaneScales {
 // CSF exception records of a decode block's 32 rows: two runs of 16
 // consecutive weight rows (the gate and up halves of a gate/up block, the two
 // halves of a down block), whose records are consecutive in the record array
-// (ordered by row, then column). stage() copies them into shared memory when
-// they fit (kCapacity; realistic grids hold a few per row), else the lanes
-// read them from global memory (adversarial grids).
+// (ordered by row, then column).
+//
+// When they fit (kCapacity; realistic grids hold a few per row) the prologue
+// stages them into shared memory bucketed by K block (a counting sort:
+// stage, scan, scatter), and a warp at K block kb patches from one short list
+// with a warp-uniform trip count (patch). Per-lane row cursors made the patch
+// divergent (some lane of nearly every warp and K block is due: the
+// stage-read kernel ran 46 % more instructions than the native-scale one).
+// An entry says which lane takes it and where in the lane's gathered bytes
+// it goes, so a lane tests one masked compare. Buckets are K blocks modulo
+// kBuckets; the entry keeps kb / kBuckets, so any K is bucketed.
+// Records that do not fit (adversarial grids) stay in global memory and are
+// walked by LaneExceptions, whose cursors reuse the staging storage.
 struct BlockExceptions {
   static constexpr std::uint32_t kCapacity = 512;
+  static constexpr std::uint32_t kBuckets = 256;
+  static constexpr std::uint32_t kMaxKBlocks = 0xFFFFu;  // sort keys hold kb in 16 bits ...
+  static constexpr std::uint32_t kSkip = 0xFFFFu;        // ... or this, for a column past K
+  static constexpr int kMaxThreads = 256;
   std::uint32_t run_prefix[2][17];  // row_prefix of each run's 16 rows, and one past
-  std::uint32_t row_range[32][2];   // [begin, end) of block row r, indices into `records` below
-  std::uint32_t records[kCapacity];
+  std::uint32_t first_row[2];       // weight row of each run's first row
+  std::uint32_t row_range[32][2];   // [begin, end) of block row r in the global record array
+  union {
+    struct {
+      std::uint32_t records[kCapacity];  // kb << 16 | entry (low 16 bits), in record order
+      std::uint32_t entries[kCapacity];  // kb / kBuckets << 16 | entry, by bucket
+      // Entries of bucket j at [bucket[j], bucket[j + 1]): counts at j + 1,
+      // then their exclusive sums, then, advanced by the scatter, the ends.
+      std::uint32_t bucket[kBuckets + 1];
+    } staged;
+    std::uint32_t cursor[4][kMaxThreads];  // not staged: LaneExceptions' cursors of each thread
+  } data;
 
-  // Step 1, before a barrier: the runs start at weight rows first0 and first1 of expert e.
+  // Entry of a record of block row br (0..31), column col_in_block of its K
+  // block, byte v: bits 0..2 the lane's g = br % 8, bits 3..4 its t (lane of
+  // the quad holding the column), bits 5..7 the byte's index p in the
+  // lane's gathered u (LaneScales layout: chunk c = br / 8; NVFP4 p = 2c +
+  // col % 2 over u[0], u[1]; MXFP4 p = c), bits 8..15 the byte.
+  template <ScaleFormat F>
+  __device__ __forceinline__ static std::uint32_t entry(std::uint32_t br, std::uint32_t col_in_block,
+                                                        std::uint32_t v) {
+    const std::uint32_t c = br / 8 % 4;
+    const std::uint32_t lane_t = F == ScaleFormat::nvfp4 ? col_in_block / 2 : col_in_block;
+    const std::uint32_t p = F == ScaleFormat::nvfp4 ? 2 * c + col_in_block % 2 : c;
+    return br % 8 | lane_t << 3 | p << 5 | v << 8;
+  }
+  // Buckets in use for K of kblocks 128-wide blocks.
+  __device__ __forceinline__ static std::uint32_t buckets(std::uint32_t kblocks) {
+    return kblocks < kBuckets ? kblocks : kBuckets;
+  }
+
+  // Step 1, before a barrier: the runs start at weight rows first0 and first1
+  // of expert e; K has kblocks blocks.
   __device__ __forceinline__ void load_prefix(const ScaleSource& s, int e, std::uint32_t first0,
-                                              std::uint32_t first1, int tid, int threads) {
+                                              std::uint32_t first1, std::uint32_t kblocks, int tid,
+                                              int threads) {
     for (int idx = tid; idx < 34; idx += threads) {
       const std::uint32_t run = idx < 17 ? 0u : 1u, q = idx - 17 * run;
       run_prefix[run][q] = s.row_prefix[std::uint64_t(e) * s.padded_rows + (run == 0 ? first0 : first1) + q];
     }
+    if (tid == 0) {
+      first_row[0] = first0;
+      first_row[1] = first1;
+    }
+    for (std::uint32_t j = tid; j <= buckets(kblocks); j += threads) data.staged.bucket[j] = 0;
   }
-  // Step 2, after it and before another: the records and the row ranges.
-  // Returns whether the records were staged (else lanes read global memory).
-  __device__ __forceinline__ bool stage(const ScaleSource& s, int tid, int threads) {
+
+  // Step 2, after it and before another: the row ranges; when the records
+  // fit, their sort keys and the per-bucket counts. Returns whether they were
+  // staged (block-uniform); if so, scan and scatter follow.
+  template <ScaleFormat F>
+  __device__ __forceinline__ bool stage(const ScaleSource& s, std::uint32_t kblocks, int tid, int threads) {
+    constexpr std::uint32_t kColsPerBlock = 128 / group_size(F);
     const std::uint32_t b0 = run_prefix[0][0], n0 = run_prefix[0][16] - b0;
     const std::uint32_t b1 = run_prefix[1][0], n1 = run_prefix[1][16] - b1;
-    const bool fits = n0 + n1 <= kCapacity;
+    const bool fits = n0 + n1 <= kCapacity && kblocks <= kMaxKBlocks;
     if (fits)
-      for (std::uint32_t idx = tid; idx < n0 + n1; idx += threads)
-        records[idx] = s.exceptions[idx < n0 ? b0 + idx : b1 + (idx - n0)];
+      for (std::uint32_t idx = tid; idx < n0 + n1; idx += threads) {
+        const std::uint32_t run = idx < n0 ? 0u : 1u;
+        const std::uint32_t rec = s.exceptions[run == 0 ? b0 + idx : b1 + (idx - n0)];
+        const std::uint32_t pos = rec & 0xFFFFFFu, row = pos / s.padded_cols, col = pos - row * s.padded_cols;
+        // Padding columns past K (none in encoder output) are never read.
+        const std::uint32_t kb = col / kColsPerBlock, key = kb < kblocks ? kb : kSkip;
+        data.staged.records[idx] =
+            key << 16 | entry<F>(16 * run + (row - first_row[run]), col % kColsPerBlock, rec >> 24);
+        if (key != kSkip) atomicAdd(&data.staged.bucket[kb % kBuckets + 1], 1u);
+      }
     for (int r = tid; r < 32; r += threads) {
       const int run = r / 16, lr = r % 16;
-      const std::uint32_t shift = !fits ? 0u : run == 0 ? 0u - b0 : n0 - b1;
-      row_range[r][0] = run_prefix[run][lr] + shift;
-      row_range[r][1] = run_prefix[run][lr + 1] + shift;
+      row_range[r][0] = run_prefix[run][lr];
+      row_range[r][1] = run_prefix[run][lr + 1];
     }
     return fits;
   }
-  __device__ __forceinline__ std::uint32_t record(const ScaleSource& s, bool staged, std::uint32_t i) const {
-    return staged ? records[i] : s.exceptions[i];
+
+  // Records of the block's rows. Without any, the zeroed buckets are all
+  // empty and steps 3 and 4 can be skipped.
+  __device__ __forceinline__ std::uint32_t count() const {
+    return run_prefix[0][16] - run_prefix[0][0] + run_prefix[1][16] - run_prefix[1][0];
+  }
+
+  // Step 3, staged, between barriers: the exclusive sums of the counts (warp 0).
+  __device__ __forceinline__ void scan(std::uint32_t kblocks, int tid) {
+    if (tid >= 32) return;
+    const std::uint32_t n = buckets(kblocks), per = (n + 31) / 32, lo = std::uint32_t(tid) * per;
+    const std::uint32_t hi = lo + per < n ? lo + per : n;
+    std::uint32_t sum = 0;
+    for (std::uint32_t j = lo; j < hi; ++j) sum += data.staged.bucket[j + 1];
+    std::uint32_t incl = sum;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const std::uint32_t v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+      if (tid >= d) incl += v;
+    }
+    std::uint32_t at = incl - sum;
+    for (std::uint32_t j = lo; j < hi; ++j) {
+      const std::uint32_t c = data.staged.bucket[j + 1];
+      data.staged.bucket[j + 1] = at;
+      at += c;
+    }
+  }
+  // Step 4, staged, before a barrier: the entries into their buckets. Order
+  // within a bucket (shared atomics) does not matter: a grid position has at
+  // most one record, so the patches of a bucket commute.
+  __device__ __forceinline__ void scatter(int tid, int threads) {
+    for (std::uint32_t idx = tid, n = count(); idx < n; idx += threads) {
+      const std::uint32_t v = data.staged.records[idx], kb = v >> 16;
+      if (kb != kSkip)
+        data.staged.entries[atomicAdd(&data.staged.bucket[kb % kBuckets + 1], 1u)] =
+            (kb / kBuckets) << 16 | (v & 0xFFFFu);
+    }
+  }
+
+  // Staged: patches the gathered bytes u (LaneScales layout) of K block kb
+  // of lane (g, t) = (lane / 4, lane % 4); lane_key = g | t << 3. All lanes
+  // of a warp walk the same entries (kb is warp-uniform).
+  template <int kWords>
+  __device__ __forceinline__ void patch(std::uint32_t kb, std::uint32_t lane_key,
+                                        std::uint32_t (&u)[kWords]) const {
+    const std::uint32_t j = kb % kBuckets, end = data.staged.bucket[j + 1];
+    const std::uint32_t key = (kb / kBuckets) << 16 | lane_key;
+    for (std::uint32_t i = data.staged.bucket[j]; i < end; ++i) {
+      const std::uint32_t en = data.staged.entries[i];
+      if ((en & 0xFFFF001Fu) == key) {
+        const std::uint32_t shift = (en >> 2) & 24u, byte = (en >> 8) & 0xFFu;  // shift = 8 * (p % 4)
+        if (kWords == 1 || (en & 0x80u) == 0)                                   // p < 4: u[0]
+          u[0] = (u[0] & ~(0xFFu << shift)) | byte << shift;
+        else
+          u[kWords - 1] = (u[kWords - 1] & ~(0xFFu << shift)) | byte << shift;
+      }
+    }
   }
 };
 
-// The exception records of a lane's four rows. A lane visits its K blocks in
-// ascending order, so one cursor per row suffices: records before the current
-// block belong to other lanes or warps and are skipped. `soonest` (the
-// smallest column among the cursors' records) lets a K block without an
-// exception cost one comparison.
+// The exception records of a lane's four rows when they are not staged
+// (BlockExceptions: adversarial grids), read from global memory. A lane
+// visits its K blocks in ascending order, so one cursor per row suffices:
+// records before the current block belong to other lanes or warps and are
+// skipped. `soonest` (the smallest column among the cursors' records) lets a
+// K block without an exception cost one comparison. The cursors live in
+// shared memory (BlockExceptions::data.cursor, free when not staged) to keep
+// the registers of the main loop for the staged path.
 template <ScaleFormat F>
 struct LaneExceptions {
   static constexpr std::uint32_t kNone = 0xFFFFFFFFu;
   static constexpr std::uint32_t kColsPerBlock = 128 / group_size(F);
-  bool staged;  // BlockExceptions::stage
-  std::uint32_t next[4];
   std::uint32_t soonest = kNone;
 
+  // Position of the first column of the lane's row c (g = lane / 4).
+  __device__ __forceinline__ static std::uint32_t row_start(const ScaleSource& s, const BlockExceptions& b,
+                                                            int c, int g) {
+    return (b.first_row[c / 2] + std::uint32_t(g + 8 * (c % 2))) * s.padded_cols;
+  }
   // Column of record i of the row starting at position first, or kNone past end.
-  __device__ __forceinline__ std::uint32_t column(const ScaleSource& s, const BlockExceptions& b,
-                                                  std::uint32_t i, std::uint32_t end,
-                                                  std::uint32_t first) const {
-    return i < end ? (b.record(s, staged, i) & 0xFFFFFFu) - first : kNone;
+  __device__ __forceinline__ static std::uint32_t column(const ScaleSource& s, std::uint32_t i,
+                                                         std::uint32_t end, std::uint32_t first) {
+    return i < end ? (s.exceptions[i] & 0xFFFFFFu) - first : kNone;
   }
 
-  // rows: the lane's weight rows; g: lane / 4.
-  __device__ __forceinline__ void start(const ScaleSource& s, const BlockExceptions& b,
-                                        const std::uint32_t (&rows)[4], int g) {
+  // tid: the thread's index in the block; g: lane / 4.
+  __device__ __forceinline__ void start(const ScaleSource& s, BlockExceptions& b, int tid, int g) {
     soonest = kNone;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int br = decode_lane_row(c, g);
-      next[c] = b.row_range[br][0];
-      const std::uint32_t col = column(s, b, next[c], b.row_range[br][1], rows[c] * s.padded_cols);
+      const std::uint32_t i = b.row_range[br][0];
+      b.data.cursor[c][tid] = i;
+      const std::uint32_t col = column(s, i, b.row_range[br][1], row_start(s, b, c, g));
       soonest = col < soonest ? col : soonest;
     }
   }
@@ -293,24 +414,23 @@ struct LaneExceptions {
   // Patches the lane's gathered bytes u (LaneScales layout) of K block kb
   // with the records of its columns; advances the cursors past the block.
   template <int kWords>
-  __device__ __forceinline__ void patch(const ScaleSource& s, const BlockExceptions& b,
-                                        const std::uint32_t (&rows)[4], int g, std::uint32_t kb,
-                                        std::uint32_t t, std::uint32_t (&u)[kWords]) {
+  __device__ __forceinline__ void patch(const ScaleSource& s, BlockExceptions& b, int tid, int g,
+                                        std::uint32_t kb, std::uint32_t t, std::uint32_t (&u)[kWords]) {
     constexpr std::uint32_t kLaneCols = F == ScaleFormat::nvfp4 ? 2 : 1;
     const std::uint32_t end_col = (kb + 1) * kColsPerBlock, lane_col = kb * kColsPerBlock + t * kLaneCols;
     soonest = kNone;
     for (int c = 0; c < 4; ++c) {
-      const std::uint32_t end = b.row_range[decode_lane_row(c, g)][1], first = rows[c] * s.padded_cols;
-      std::uint32_t i = next[c], col;
-      while ((col = column(s, b, i, end, first)) < end_col) {
+      const std::uint32_t end = b.row_range[decode_lane_row(c, g)][1], first = row_start(s, b, c, g);
+      std::uint32_t i = b.data.cursor[c][tid], col;
+      while ((col = column(s, i, end, first)) < end_col) {
         if (col - lane_col < kLaneCols) {
           const std::uint32_t byte = F == ScaleFormat::nvfp4 ? 2 * (c % 2) + (col - lane_col) : c;
           std::uint32_t& word = u[F == ScaleFormat::nvfp4 ? c / 2 : 0];
-          word = (word & ~(0xFFu << (8 * byte))) | ((b.record(s, staged, i) >> 24) << (8 * byte));
+          word = (word & ~(0xFFu << (8 * byte))) | ((s.exceptions[i] >> 24) << (8 * byte));
         }
         ++i;
       }
-      next[c] = i;
+      b.data.cursor[c][tid] = i;
       soonest = col < soonest ? col : soonest;
     }
   }
