@@ -15,10 +15,10 @@
 //               (every layer is several times the 50 MB L2);
 //   modes     = native, expanded (scales expanded ahead), routed (expand the
 //               routed experts, then GEMM), stage_read (CSF read in the GEMM),
-//               each on the kernel bind() picks (decode below 1024 tokens,
-//               the wgmma prefill kernel from 1024 on sm_90, where stage-read
-//               calls stay on decode), and native on the tiled and on the
-//               decode kernel for comparison;
+//               each on the kernel bind() picks (the wgmma prefill kernel
+//               on sm_90 from T * k >= 16 * E, where stage-read calls stay on
+//               decode; decode below), and native on the tiled, the decode
+//               and (T >= 256) the prefill kernel for comparison;
 //   peer      = the same layer with BF16 weights through cuBLAS: per touched
 //               expert a gate/up and a down GEMM (cublasGemmEx, FP32 accumulate),
 //               captured in a CUDA graph; routing, SiLU and combine are not

@@ -107,20 +107,23 @@ struct MoeBindOptions {
   // (bench/RESULTS.md).
   std::uint32_t decode_max_tokens = 8192;
   // Calls with T >= prefill_min_tokens run the prefill kernel where it
-  // applies: an sm_90 device, H a multiple of 256 and N of 128, and a call
-  // whose scales are dense (native, expanded or routed; a stage-read call
-  // runs the decode kernel). It takes precedence over decode_max_tokens;
-  // 0xFFFFFFFF never uses it. The default is the crossover measured on the
-  // H200 (bench/RESULTS.md).
-  std::uint32_t prefill_min_tokens = 1024;
+  // applies: an sm_90 device, H a multiple of 256 and N of 128, a call whose
+  // scales are dense (native, expanded or routed; a stage-read call runs the
+  // decode kernel). It takes precedence over decode_max_tokens; 0xFFFFFFFF
+  // never uses it. 0 (the default) picks the crossover measured on the H200
+  // (bench/RESULTS.md): T * top_k >= 16 * E, 16 rows per expert on average
+  // (DeepSeek-V3 from 512 tokens, Qwen3-30B-A3B from 256, Kimi K2 from 768).
+  std::uint32_t prefill_min_tokens = 0;
 };
 
 // A frozen launch configuration: stream, token bound, workspace, and the rule
 // that picks a call's scale mode from its token count:
 //   compression none                 -> native
 //   csf, scales_expanded = true      -> expanded
-//   csf, T <= stage_read_max_tokens  -> stage_read
-//   csf, larger T                    -> routed
+//   csf, T <= stage_read_max_tokens  -> stage_read, unless the call runs the
+//                                       prefill kernel (prefill_min_tokens)
+//                                       and the layer has a scale_scratch
+//   csf, otherwise                   -> routed
 class BoundMoe {
  public:
   const MoeWeights& weights() const { return *weights_; }

@@ -184,12 +184,28 @@ std::uint64_t moe_workspace_bytes(const MoePlan& plan, std::uint32_t max_tokens)
   return layout_of(plan, max_tokens).total;
 }
 
+namespace {
+// The smallest T that runs the prefill kernel: the option, or the measured
+// crossover of 16 rows per expert on average.
+std::uint32_t prefill_threshold(const MoeBindOptions& o, const MoeLayerGeometry& g) {
+  if (o.prefill_min_tokens != 0) return o.prefill_min_tokens;
+  const std::uint64_t rows = 16ull * g.experts;
+  return std::uint32_t(std::max<std::uint64_t>(1, (rows + g.topk - 1) / g.topk));
+}
+}  // namespace
+
 MoeScaleMode BoundMoe::mode_for(std::uint32_t tokens) const {
   if (options_.force_mode) return *options_.force_mode;
   const MoePlan& p = weights_->plan();
   if (p.constraints.compression == ScaleCompression::none) return MoeScaleMode::native;
   if (scales_expanded_) return MoeScaleMode::expanded;
-  return tokens <= p.constraints.stage_read_max_tokens ? MoeScaleMode::stage_read : MoeScaleMode::routed;
+  // Calls the prefill kernel runs expand their routed experts (it reads dense
+  // scales) where the layer has a scratch: at DeepSeek-V3 T = 1024, routed +
+  // prefill took 4.8 ms, stage-read + decode 10.6 ms (bench/RESULTS.md).
+  const bool prefill =
+      prefill_ok_ && weights_->scratch() && tokens >= prefill_threshold(options_, p.geometry);
+  return tokens <= p.constraints.stage_read_max_tokens && !prefill ? MoeScaleMode::stage_read
+                                                                   : MoeScaleMode::routed;
 }
 
 const char* to_string(MoeKernel k) {
@@ -197,7 +213,8 @@ const char* to_string(MoeKernel k) {
 }
 
 MoeKernel BoundMoe::kernel_for(std::uint32_t tokens) const {
-  if (prefill_ok_ && tokens >= options_.prefill_min_tokens && mode_for(tokens) != MoeScaleMode::stage_read)
+  if (prefill_ok_ && tokens >= prefill_threshold(options_, weights_->plan().geometry) &&
+      mode_for(tokens) != MoeScaleMode::stage_read)
     return MoeKernel::prefill;
   return decode_ok_ && tokens <= options_.decode_max_tokens ? MoeKernel::decode : MoeKernel::tiled;
 }
@@ -261,7 +278,7 @@ BoundMoe bind(const MoeWeights& w, cudaStream_t stream, std::uint32_t max_tokens
       b.decode_ok_ = true;
     }
   }
-  if (options.prefill_min_tokens <= max_tokens && moe_detail::prefill_shape_ok(g.hidden, g.intermediate))
+  if (prefill_threshold(options, g) <= max_tokens && moe_detail::prefill_shape_ok(g.hidden, g.intermediate))
     b.prefill_ok_ = moe_detail::configure_prefill_kernels(w.source().device);
   b.weights_ = &w;
   b.stream_ = stream;

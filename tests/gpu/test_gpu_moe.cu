@@ -386,6 +386,7 @@ TEST_F(GpuMoe, DecodeAndTiledKernelsChosenByTokenCount) {
   Call call(l.plan_csf, 512);
   MoeBindOptions opt;
   opt.decode_max_tokens = 100;
+  opt.prefill_min_tokens = 0xFFFFFFFFu;  // PrefillKernelChosen* covers the prefill kernel
   const BoundMoe b = bind(*l.csf, nullptr, 512, call.workspace(), false, opt);
   EXPECT_EQ(b.kernel_for(1), MoeKernel::decode);
   EXPECT_EQ(b.kernel_for(100), MoeKernel::decode);
@@ -420,6 +421,10 @@ TEST_F(GpuMoe, PrefillKernelChosenFromItsThresholdForDenseScales) {
   opt.force_mode = MoeScaleMode::stage_read;
   EXPECT_EQ(bind(*l.csf, nullptr, 512, call.workspace(), false, opt).kernel_for(512), MoeKernel::decode);
   opt.force_mode.reset();
+  // The default: 16 rows per expert on average, T * k >= 16 * E (here T >= 64).
+  const BoundMoe automatic = bind(*l.native, nullptr, 512, call.workspace(), false);
+  EXPECT_EQ(automatic.kernel_for(63), MoeKernel::decode);
+  EXPECT_EQ(automatic.kernel_for(64), large);
   // A threshold above max_tokens, or a layer with H % 256 != 0: never.
   opt.prefill_min_tokens = 513;
   EXPECT_EQ(bind(*l.native, nullptr, 512, call.workspace(), false, opt).kernel_for(512), MoeKernel::decode);
