@@ -2,6 +2,11 @@
 """Plots bench_gpu_moe's JSON lines: fraction of the memory roofline against T.
 
     python3 bench/plot_moe.py bench.jsonl [more.jsonl ...] -o docs/img/moe-roofline.png
+    python3 bench/plot_moe.py --prefill prefill.jsonl -o docs/img/moe-prefill.png
+
+--prefill plots the fraction of the dense BF16 tensor rate (measured in the
+same run) against T instead: the kernel bind() picks, the decode kernel and
+the prefill kernel (rows from T = 256 on).
 
 One panel per (shape, format). Lines: csfmoe with native scales and with
 stage-read CSF scales (each against the roofline of the bytes it reads), the
@@ -17,6 +22,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("jsonl", nargs="+")
     ap.add_argument("-o", "--output", default="moe-roofline.png")
+    ap.add_argument("--prefill", action="store_true", help="fraction of the dense BF16 rate, T >= 256")
     args = ap.parse_args()
     rows = []
     for path in args.jsonl:
@@ -35,11 +41,30 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if args.prefill:
+        rows = [r for r in rows if r["T"] >= 256 and r.get("prefill_us", 0) > 0]
+        if not rows:
+            print("plot_moe: no prefill rows (T >= 256 with prefill_us)", file=sys.stderr)
+            return 1
     panels = sorted({(r["shape"], r["format"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (shape, fmt) in zip(axes[0], panels):
         pr = sorted((r for r in rows if r["shape"] == shape and r["format"] == fmt), key=lambda r: r["T"])
         t = [r["T"] for r in pr]
+        if args.prefill:
+            frac = lambda key: [100 * r["flops"] / (r[key] * 1e-6) / (r["dense_bf16_TFLOPs"] * 1e12) for r in pr]
+            for label, key, style in (("csfmoe (kernel bind picks)", "native_us", "o-"),
+                                      ("decode kernel", "decode_us", "s:"), ("prefill kernel", "prefill_us", "x--")):
+                ax.plot(t, frac(key), style, label=label)
+            ax.axhline(50, color="grey", lw=0.8, ls="--")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens T (top-8)")
+            ax.set_ylabel("% of dense BF16 tensor rate")
+            ax.set_title(f"{shape} {fmt}, prefill")
+            ax.set_ylim(0, 60)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+            continue
         series = [
             ("csfmoe, native scales", [r["roof_native_us"] / r["native_us"] for r in pr], "o-"),
             ("csfmoe, stage-read CSF", [r["roof_csf_us"] / r["stage_read_us"] for r in pr], "s-"),
