@@ -324,13 +324,17 @@ TEST_F(GpuMoe, EveryModeMatchesReferenceAcrossTokenCountsAndTopk) {
 TEST_F(GpuMoe, SwizzledNativeScalesW31AndInt32Ids) {
   CSFMOE_SEEDED(seed);
   std::mt19937_64 rng(seed);
-  // 2N = 192 and H/16 = 10 columns: exercises row and column padding.
-  const MoeLayerGeometry g{12, 320, 64, 4, GateUpOrder::w31};
-  for (ScaleLayout lay : {ScaleLayout::swizzled_128x4, ScaleLayout::row_major}) {
-    Layer l(ScaleFormat::nvfp4, g, seed, 512, lay);
-    Call call(l.plan_csf, 512, IndexType::int32);
-    for (std::uint32_t T : {3u, 200u})
-      check_all_modes(l, random_inputs(rng, T, g), call, "T=" + std::to_string(T));
+  // 2N = 192 and H/16 = 10 columns: exercises row and column padding (tiled
+  // kernel only); H = 256, N = 128 runs the decode and prefill kernels too.
+  for (const MoeLayerGeometry g : {MoeLayerGeometry{12, 320, 64, 4, GateUpOrder::w31},
+                                   MoeLayerGeometry{12, 256, 128, 4, GateUpOrder::w31}}) {
+    for (ScaleLayout lay : {ScaleLayout::swizzled_128x4, ScaleLayout::row_major}) {
+      Layer l(ScaleFormat::nvfp4, g, seed, 512, lay);
+      Call call(l.plan_csf, 512, IndexType::int32);
+      for (std::uint32_t T : {3u, 200u})
+        check_all_modes(l, random_inputs(rng, T, g), call,
+                        "H=" + std::to_string(g.hidden) + " T=" + std::to_string(T));
+    }
   }
 }
 
