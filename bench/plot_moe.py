@@ -52,36 +52,30 @@ def main() -> int:
         pr = sorted((r for r in rows if r["shape"] == shape and r["format"] == fmt), key=lambda r: r["T"])
         t = [r["T"] for r in pr]
         if args.prefill:
-            frac = lambda key: [100 * r["flops"] / (r[key] * 1e-6) / (r["dense_bf16_TFLOPs"] * 1e12) for r in pr]
-            for label, key, style in (("csfmoe (kernel bind picks)", "native_us", "o-"),
-                                      ("decode kernel", "decode_us", "s:"), ("prefill kernel", "prefill_us", "x--")):
-                ax.plot(t, frac(key), style, label=label)
-            ax.axhline(50, color="grey", lw=0.8, ls="--")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("tokens T (top-8)")
-            ax.set_ylabel("% of dense BF16 tensor rate")
-            ax.set_title(f"{shape} {fmt}, prefill")
-            ax.set_ylim(0, 60)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-            continue
-        series = [
-            ("csfmoe, native scales", [r["roof_native_us"] / r["native_us"] for r in pr], "o-"),
-            ("csfmoe, stage-read CSF", [r["roof_csf_us"] / r["stage_read_us"] for r in pr], "s-"),
-            ("tiled kernel", [r["roof_native_us"] / r["tiled_us"] for r in pr], "x:"),
-        ]
-        if any(r["bf16_cublas_us"] > 0 for r in pr):
-            series.append(
-                ("BF16 cuBLAS peer", [r["roof_native_us"] / r["bf16_cublas_us"] if r["bf16_cublas_us"] > 0 else float("nan") for r in pr], "^--")
-            )
+            rate = lambda key: [100 * r["flops"] / (r[key] * 1e-6) / (r["dense_bf16_TFLOPs"] * 1e12) for r in pr]
+            series = [(label, rate(key), style)
+                      for label, key, style in (("csfmoe (kernel bind picks)", "native_us", "o-"),
+                                                ("decode kernel", "decode_us", "s:"),
+                                                ("prefill kernel", "prefill_us", "x--"))]
+            target, ylabel, title, ymax = 50, "% of dense BF16 tensor rate", f"{shape} {fmt}, prefill", 60
+        else:
+            roof = lambda num, key: [100 * r[num] / r[key] if r[key] > 0 else float("nan") for r in pr]
+            series = [
+                ("csfmoe, native scales", roof("roof_native_us", "native_us"), "o-"),
+                ("csfmoe, stage-read CSF", roof("roof_csf_us", "stage_read_us"), "s-"),
+                ("tiled kernel", roof("roof_native_us", "tiled_us"), "x:"),
+            ]
+            if any(r["bf16_cublas_us"] > 0 for r in pr):
+                series.append(("BF16 cuBLAS peer", roof("roof_native_us", "bf16_cublas_us"), "^--"))
+            target, ylabel, title, ymax = 80, "% of FP4 memory roofline", f"{shape} {fmt}", 100
         for label, y, style in series:
-            ax.plot(t, [100 * v for v in y], style, label=label)
-        ax.axhline(80, color="grey", lw=0.8, ls="--")
+            ax.plot(t, y, style, label=label)
+        ax.axhline(target, color="grey", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens T (top-8)")
-        ax.set_ylabel("% of FP4 memory roofline")
-        ax.set_title(f"{shape} {fmt}")
-        ax.set_ylim(0, 100)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.set_ylim(0, ymax)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

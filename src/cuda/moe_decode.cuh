@@ -159,6 +159,28 @@ __device__ __forceinline__ std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32
   return *reinterpret_cast<std::uint32_t*>(&x);
 }
 
+// A operand values of two k16 steps for a lane's two rows of one m16 tile
+// (the decode and prefill kernels' lane order): the four bf16 pairs (E2M1
+// nibbles j, j + 4 of word q, j = 0..3) of the low row (qlo, scale pair slo)
+// and of the high row (qhi, shi). Exact: value * scale * 2^-8 (NVFP4) or
+// value * scale (MXFP4, which first restores 2^126).
+template <ScaleFormat F>
+__device__ __forceinline__ void dequant_words(std::uint32_t qlo, std::uint32_t slo, std::uint32_t qhi,
+                                              std::uint32_t shi, std::uint32_t (&lo)[4],
+                                              std::uint32_t (&hi)[4]) {
+  lo[0] = e2m1_pair<0>(qlo), lo[1] = e2m1_pair<1>(qlo), lo[2] = e2m1_pair<2>(qlo), lo[3] = e2m1_pair<3>(qlo);
+  hi[0] = e2m1_pair<0>(qhi), hi[1] = e2m1_pair<1>(qhi), hi[2] = e2m1_pair<2>(qhi), hi[3] = e2m1_pair<3>(qhi);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (F == ScaleFormat::mxfp4) {
+      lo[j] = bf16x2_mul(lo[j], 0x7E807E80u);  // 2^126: exact E2M1 values
+      hi[j] = bf16x2_mul(hi[j], 0x7E807E80u);
+    }
+    lo[j] = bf16x2_mul(lo[j], slo);
+    hi[j] = bf16x2_mul(hi[j], shi);
+  }
+}
+
 // Epilogue factor undoing the NVFP4 folding (2^-126 from the nibbles times 2^118).
 template <ScaleFormat F>
 constexpr float kDecodeUnfold = F == ScaleFormat::nvfp4 ? 256.0f : 1.0f;
@@ -359,18 +381,8 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           const std::uint32_t qlo = (&wq[2 * mt].x)[w], qhi = (&wq[2 * mt + 1].x)[w];
-          const std::uint32_t slo = sp[2 * mt][w / 2], shi = sp[2 * mt + 1][w / 2];
-          std::uint32_t lo[4] = {e2m1_pair<0>(qlo), e2m1_pair<1>(qlo), e2m1_pair<2>(qlo), e2m1_pair<3>(qlo)};
-          std::uint32_t hi[4] = {e2m1_pair<0>(qhi), e2m1_pair<1>(qhi), e2m1_pair<2>(qhi), e2m1_pair<3>(qhi)};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            if constexpr (F == ScaleFormat::mxfp4) {
-              lo[j] = bf16x2_mul(lo[j], 0x7E807E80u);  // 2^126: exact E2M1 values
-              hi[j] = bf16x2_mul(hi[j], 0x7E807E80u);
-            }
-            lo[j] = bf16x2_mul(lo[j], slo);
-            hi[j] = bf16x2_mul(hi[j], shi);
-          }
+          std::uint32_t lo[4], hi[4];
+          dequant_words<F>(qlo, sp[2 * mt][w / 2], qhi, sp[2 * mt + 1][w / 2], lo, hi);
 #pragma unroll
           for (int n = 0; n < NT; ++n) {
             if (live(n)) {

@@ -222,18 +222,8 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) moe_prefill_kernel(GemmPar
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         const std::uint32_t qlo = (&wq[2 * mt].x)[w], qhi = (&wq[2 * mt + 1].x)[w];
-        const std::uint32_t slo = sp[2 * mt][w / 2], shi = sp[2 * mt + 1][w / 2];
-        std::uint32_t lo[4] = {e2m1_pair<0>(qlo), e2m1_pair<1>(qlo), e2m1_pair<2>(qlo), e2m1_pair<3>(qlo)};
-        std::uint32_t hi[4] = {e2m1_pair<0>(qhi), e2m1_pair<1>(qhi), e2m1_pair<2>(qhi), e2m1_pair<3>(qhi)};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          if constexpr (F == ScaleFormat::mxfp4) {
-            lo[j] = bf16x2_mul(lo[j], 0x7E807E80u);  // 2^126: exact E2M1 values
-            hi[j] = bf16x2_mul(hi[j], 0x7E807E80u);
-          }
-          lo[j] = bf16x2_mul(lo[j], slo);
-          hi[j] = bf16x2_mul(hi[j], shi);
-        }
+        std::uint32_t lo[4], hi[4];
+        dequant_words<F>(qlo, sp[2 * mt][w / 2], qhi, sp[2 * mt + 1][w / 2], lo, hi);
         wgmma_fence();
         // Steps 2w and 2w + 1: logical K 32w..32w+31 of the block, in the
         // half (2w) / 4 of the activation stage, 32 bytes per step.
