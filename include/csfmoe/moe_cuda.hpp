@@ -114,6 +114,13 @@ struct MoeBindOptions {
   // (bench/RESULTS.md): T * top_k >= 16 * E, 16 rows per expert on average
   // (DeepSeek-V3 from 512 tokens, Qwen3-30B-A3B from 256, Kimi K2 from 768).
   std::uint32_t prefill_min_tokens = 0;
+  // On sm_90 and newer, launch the layer's kernels as programmatic dependents
+  // of the one before (PDL): each may start while the previous one drains,
+  // and the down GEMM streams its first weights before gate/up has finished.
+  // Results are bit-identical either way; false launches them strictly in
+  // stream order (for profilers, or streams shared with kernels that
+  // misuse PDL).
+  bool programmatic_launch = true;
 };
 
 // A frozen launch configuration: stream, token bound, workspace, and the rule
@@ -131,6 +138,8 @@ class BoundMoe {
   std::uint32_t max_tokens() const { return max_tokens_; }
   MoeScaleMode mode_for(std::uint32_t tokens) const;
   MoeKernel kernel_for(std::uint32_t tokens) const;
+  // Whether the calls launch their kernels as programmatic dependents.
+  bool programmatic_launch() const { return chained_; }
   // Ids outside [0, E) seen by the last call (they contribute nothing).
   // Synchronizes the stream; for debugging, never inside a capture.
   std::uint32_t invalid_id_count() const;
@@ -147,6 +156,7 @@ class BoundMoe {
   bool decode_ok_ = false;      // the layer's shape suits the decode kernel on its device
   bool prefill_ok_ = false;     // ... and the prefill kernel
   std::uint32_t sm_count_ = 0;  // of the layer's device: sizes the decode kernel's blocks
+  bool chained_ = false;        // programmatic_launch on a device that has it
   MoeBindOptions options_;
 };
 

@@ -3,6 +3,7 @@
 // fixed and the result identical run to run (no atomics).
 #include <cuda_bf16.h>
 
+#include "cuda/launch.cuh"
 #include "cuda/moe_kernels.cuh"
 
 namespace csfmoe::moe_detail {
@@ -13,6 +14,9 @@ constexpr int kCombineThreads = 256;
 
 template <typename Id>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams p) {
+  // Not allow_dependent_launch(): the caller's next kernel, and the next
+  // call's routing, start only when the combine has finished.
+  grid_dependency_wait();
   const std::uint32_t t = blockIdx.x;
   const std::uint32_t h = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
   if (h >= p.hidden) return;
@@ -42,7 +46,8 @@ using CombineFn = void (*)(const CombineParams&, cudaStream_t);
 template <typename Id>
 void combine(const CombineParams& p, cudaStream_t stream) {
   const dim3 grid(p.tokens, (p.hidden / 4 + kCombineThreads - 1) / kCombineThreads);
-  combine_kernel<Id><<<grid, kCombineThreads, 0, stream>>>(p);
+  launch_kernel("moe combine kernel", p.chained, &combine_kernel<Id>, grid, dim3(kCombineThreads), 0, stream,
+                p);
 }
 constexpr CombineFn kCombine[2] = {&combine<std::int32_t>, &combine<std::int64_t>};
 

@@ -64,6 +64,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/launch.cuh"
 #include "cuda/moe_decode_bits.cuh"
 #include "cuda/moe_kernels.cuh"
 #include "cuda/moe_scale_read.cuh"
@@ -232,6 +233,14 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
   using namespace decode;
   extern __shared__ __align__(16) unsigned char smem[];
 
+  // gate/up reads the routing (or the expanded scales, or the permuted
+  // hidden rows) of the kernel right before it. The down GEMM's routing and
+  // weights were complete when the gate/up GEMM passed its wait: it streams
+  // its first weight stages and stages its rows before waiting for act.
+  if constexpr (GateUp) {
+    grid_dependency_wait();
+    allow_dependent_launch();
+  }
   const int tile = blockIdx.x;
   if (tile >= p.header[0]) return;
   const int warps = int(blockDim.x / 32);  // decode_warps
@@ -307,6 +316,10 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
   }
   const std::uint32_t lane_key = std::uint32_t(g | t << 3);  // BlockExceptions::patch
 
+  if constexpr (!GateUp) {
+    grid_dependency_wait();  // act, and slot_out (read by the previous call's combine)
+    allow_dependent_launch();
+  }
   const float gs = global_scale * kDecodeUnfold<F>;
   const std::uint16_t* x_base = p.a;
   for (int tok0 = 0; tok0 < valid; tok0 += 8 * NT) {

@@ -1,4 +1,5 @@
 // Instantiations and dispatch table of the grouped MoE GEMMs.
+#include "cuda/launch.cuh"
 #include "cuda/moe_gemm.cuh"
 
 namespace csfmoe::moe_detail {
@@ -10,7 +11,8 @@ using GemmFn = void (*)(const GemmParams&, cudaStream_t);
 template <ScaleFormat F, ScaleKind K, bool GateUp>
 void gemm(const GemmParams& p, cudaStream_t stream) {
   const std::uint32_t n_tiles = (GateUp ? p.n : p.out_rows) / kTileN;
-  moe_gemm_kernel<F, K, GateUp><<<dim3(p.max_tiles, n_tiles), kGemmThreads, 0, stream>>>(p);
+  launch_kernel("moe tiled GEMM", p.chained, &moe_gemm_kernel<F, K, GateUp>, dim3(p.max_tiles, n_tiles),
+                dim3(kGemmThreads), 0, stream, p);
 }
 
 // [format][scale kind][gate_up]

@@ -15,6 +15,7 @@
 #include <cuda_bf16.h>
 #include <mma.h>
 
+#include "cuda/launch.cuh"
 #include "cuda/moe_kernels.cuh"
 #include "cuda/moe_scale_read.cuh"
 
@@ -58,6 +59,8 @@ __global__ void __launch_bounds__(kGemmThreads) moe_gemm_kernel(GemmParams p) {
   Main& sm = *reinterpret_cast<Main*>(smem_raw);
   SharedEpi<GateUp>& se = *reinterpret_cast<SharedEpi<GateUp>*>(smem_raw);
 
+  grid_dependency_wait();
+  allow_dependent_launch();
   const int tile = blockIdx.x;
   if (tile >= p.header[0]) return;
   const int e = p.tile_expert[tile];

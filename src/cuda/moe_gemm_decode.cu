@@ -3,6 +3,7 @@
 #include <string>
 
 #include "csfmoe/errors.hpp"
+#include "cuda/launch.cuh"
 #include "cuda/moe_decode.cuh"
 
 namespace csfmoe::moe_detail {
@@ -51,7 +52,8 @@ void decode_launch(const GemmParams& p, cudaStream_t stream) {
   const std::uint32_t warps =
       launch_warps(p.k / kDecodeKBlock, std::uint64_t(p.max_tiles) * row_blocks, p.sm_count);
   const DecodeSmem s = decode_smem(warps, NT, K == ScaleKind::csf);
-  moe_decode_kernel<F, K, GateUp, NT><<<dim3(p.max_tiles, row_blocks), warps * 32, s.total, stream>>>(p);
+  launch_kernel("moe decode GEMM", p.chained, &moe_decode_kernel<F, K, GateUp, NT>,
+                dim3(p.max_tiles, row_blocks), dim3(warps * 32), s.total, stream, p);
 }
 
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>

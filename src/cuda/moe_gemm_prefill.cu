@@ -2,6 +2,7 @@
 #include <string>
 
 #include "csfmoe/errors.hpp"
+#include "cuda/launch.cuh"
 #include "cuda/moe_prefill.cuh"
 
 namespace csfmoe::moe_detail {
@@ -14,8 +15,8 @@ template <ScaleFormat F, ScaleKind K, bool GateUp>
 void prefill_launch(const GemmParams& p, cudaStream_t stream) {
   constexpr std::uint32_t per_block = GateUp ? kPrefillRows / 2 : kPrefillRows;
   const std::uint32_t row_blocks = (GateUp ? p.n : p.out_rows) / per_block;
-  moe_prefill_kernel<F, K, GateUp>
-      <<<dim3(p.max_tiles, row_blocks), kPrefillThreads, kPrefillSmem, stream>>>(p);
+  launch_kernel("moe prefill GEMM", p.chained, &moe_prefill_kernel<F, K, GateUp>,
+                dim3(p.max_tiles, row_blocks), dim3(kPrefillThreads), kPrefillSmem, stream, p);
 }
 
 template <ScaleFormat F, ScaleKind K, bool GateUp>
@@ -68,13 +69,13 @@ bool configure_prefill_kernels(int device) {
 }
 
 void launch_prefill_permute(const std::uint16_t* in, std::uint16_t* out, std::uint32_t rows, std::uint32_t k,
-                            cudaStream_t stream) {
+                            bool chained, cudaStream_t stream) {
   const std::uint64_t chunks = std::uint64_t(rows) * k / 8;
   if (chunks == 0) return;
   constexpr int kThreads = 256;
-  moe_prefill_permute_kernel<<<unsigned((chunks + kThreads - 1) / kThreads), kThreads, 0, stream>>>(in, out,
-                                                                                                    chunks);
-  check_launch("moe prefill activation permutation");
+  launch_kernel("moe prefill activation permutation", chained, &moe_prefill_permute_kernel,
+                dim3(unsigned((chunks + kThreads - 1) / kThreads)), dim3(kThreads), 0, stream, in, out,
+                chunks);
 }
 
 void launch_prefill(ScaleFormat f, bool gate_up, const GemmParams& p, cudaStream_t stream) {

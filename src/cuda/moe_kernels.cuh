@@ -30,8 +30,10 @@ struct Routing {
   int* sorted_slot = nullptr;  // [max_tiles * kTileM] slot t*k+j per sorted row, -1 = padding
 };
 
+// `chained`: launched as a programmatic dependent of the stream's previous
+// kernel (launch.cuh), as every launch below can be.
 void launch_routing(const void* ids, IndexType id_type, std::uint32_t slots, std::uint32_t experts,
-                    const Routing& r, cudaStream_t stream);
+                    const Routing& r, bool chained, cudaStream_t stream);
 
 // Where one projection's scale bytes come from.
 enum class ScaleKind : int { dense_row_major = 0, dense_swizzled = 1, csf = 2 };
@@ -71,6 +73,7 @@ struct GemmParams {
   std::uint16_t* act = nullptr;
   // down: per-slot outputs [T * k, H] f32.
   float* slot_out = nullptr;
+  bool chained = false;  // programmatic dependent launch (launch.cuh)
 };
 
 // Which GEMM kernel runs a call: the tiled kernel (moe_gemm.cuh), the
@@ -98,7 +101,7 @@ void launch_decode(ScaleFormat f, bool gate_up, GemmPath path, const GemmParams&
 bool prefill_shape_ok(std::uint32_t hidden, std::uint32_t intermediate);
 bool configure_prefill_kernels(int device);
 void launch_prefill_permute(const std::uint16_t* in, std::uint16_t* out, std::uint32_t rows, std::uint32_t k,
-                            cudaStream_t stream);
+                            bool chained, cudaStream_t stream);
 void launch_prefill(ScaleFormat f, bool gate_up, const GemmParams& p, cudaStream_t stream);
 
 struct CombineParams {
@@ -107,6 +110,7 @@ struct CombineParams {
   const float* weights = nullptr;
   std::uint16_t* out = nullptr;  // bf16 [T, H]
   std::uint32_t tokens = 0, topk = 0, hidden = 0, experts = 0;
+  bool chained = false;  // programmatic dependent launch (launch.cuh)
 };
 void launch_combine(IndexType id_type, const CombineParams& p, cudaStream_t stream);
 

@@ -280,6 +280,12 @@ BoundMoe bind(const MoeWeights& w, cudaStream_t stream, std::uint32_t max_tokens
   }
   if (prefill_threshold(options, g) <= max_tokens && moe_detail::prefill_shape_ok(g.hidden, g.intermediate))
     b.prefill_ok_ = moe_detail::configure_prefill_kernels(w.source().device);
+  if (options.programmatic_launch) {
+    int major = 0;
+    cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, w.source().device),
+               "bind: compute capability");
+    b.chained_ = major >= 9;
+  }
   b.weights_ = &w;
   b.stream_ = stream;
   b.max_tokens_ = max_tokens;
@@ -332,7 +338,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   const std::uint32_t slots = tokens * g.topk;
   const std::uint64_t tiles = moe_detail::max_tiles(slots, g.experts);
 
-  moe_detail::launch_routing(topk_ids, id_type, slots, g.experts, r, b.stream_);
+  moe_detail::launch_routing(topk_ids, id_type, slots, g.experts, r, b.chained_, b.stream_);
 
   moe_detail::ScaleSource s13, s2;
   switch (mode) {
@@ -375,6 +381,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   gp.gate_row0 = g.order == GateUpOrder::w13 ? 0 : g.intermediate;
   gp.up_row0 = g.order == GateUpOrder::w13 ? g.intermediate : 0;
   gp.act = act;
+  gp.chained = b.chained_;
   // Token passes of 8 up to 32 tokens: at those sizes nearly every expert
   // tile holds at most 8 rows (one pass), and a wider pass's larger register
   // set costs per pass. Passes of 16 (hardly spilling) up to 512 tokens, of 32 (the
@@ -391,7 +398,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
     // only by the down GEMM, after gate/up has read this copy.
     auto* permuted = reinterpret_cast<std::uint16_t*>(slot_out);
     moe_detail::launch_prefill_permute(static_cast<const std::uint16_t*>(hidden), permuted, tokens, g.hidden,
-                                       b.stream_);
+                                       b.chained_, b.stream_);
     gp.a = permuted;
   }
   moe_detail::launch_gate_up(p.format, path, gp, b.stream_);
@@ -416,6 +423,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   cp.topk = g.topk;
   cp.hidden = std::uint32_t(H);
   cp.experts = g.experts;
+  cp.chained = b.chained_;
   moe_detail::launch_combine(id_type, cp, b.stream_);
   (void)N;
 }

@@ -115,6 +115,8 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) moe_prefill_kernel(GemmPar
   using namespace prefill;
   extern __shared__ unsigned char smem_raw[];
 
+  grid_dependency_wait();  // the ring carries activations from the first stage on
+  allow_dependent_launch();
   const int tile = blockIdx.x;
   if (tile >= p.header[0]) return;
   const std::uint32_t raw_addr = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -275,6 +277,8 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) moe_prefill_kernel(GemmPar
 // thread per 8 outputs (16 bytes).
 __global__ void moe_prefill_permute_kernel(const std::uint16_t* __restrict__ in,
                                            std::uint16_t* __restrict__ out, std::uint64_t chunks) {
+  grid_dependency_wait();
+  allow_dependent_launch();
   const std::uint64_t i = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= chunks) return;
   const std::uint64_t first = i * 8, block = first & ~std::uint64_t(kPrefillKBlock - 1);

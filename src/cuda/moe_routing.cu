@@ -6,6 +6,7 @@
 #include <string>
 
 #include "csfmoe/errors.hpp"
+#include "cuda/launch.cuh"
 #include "cuda/moe_kernels.cuh"
 
 namespace csfmoe::moe_detail {
@@ -20,6 +21,10 @@ __global__ void __launch_bounds__(kRouteThreads)
   __shared__ int cursor[1024];
   __shared__ int invalid;
   const int tid = threadIdx.x;
+  // The ids come from the previous kernel, and the tables written here may
+  // still be read by the previous call's down GEMM (launch.cuh).
+  grid_dependency_wait();
+  allow_dependent_launch();
   for (int e = tid; e < int(experts); e += blockDim.x) count[e] = cursor[e] = 0;
   if (tid == 0) invalid = 0;
   __syncthreads();
@@ -79,11 +84,12 @@ __global__ void __launch_bounds__(kRouteThreads)
   }
 }
 
-using RouteFn = void (*)(const void*, std::uint32_t, std::uint32_t, const Routing&, cudaStream_t);
+using RouteFn = void (*)(const void*, std::uint32_t, std::uint32_t, const Routing&, bool, cudaStream_t);
 template <typename Id>
-void route(const void* ids, std::uint32_t slots, std::uint32_t experts, const Routing& r,
+void route(const void* ids, std::uint32_t slots, std::uint32_t experts, const Routing& r, bool chained,
            cudaStream_t stream) {
-  route_kernel<Id><<<1, kRouteThreads, 0, stream>>>(static_cast<const Id*>(ids), slots, experts, r);
+  launch_kernel("moe routing kernel", chained, &route_kernel<Id>, dim3(1), dim3(kRouteThreads), 0, stream,
+                static_cast<const Id*>(ids), slots, experts, r);
 }
 // Dispatch table: index by IndexType.
 constexpr RouteFn kRoute[2] = {&route<std::int32_t>, &route<std::int64_t>};
@@ -91,8 +97,8 @@ constexpr RouteFn kRoute[2] = {&route<std::int32_t>, &route<std::int64_t>};
 }  // namespace
 
 void launch_routing(const void* ids, IndexType id_type, std::uint32_t slots, std::uint32_t experts,
-                    const Routing& r, cudaStream_t stream) {
-  kRoute[static_cast<int>(id_type)](ids, slots, experts, r, stream);
+                    const Routing& r, bool chained, cudaStream_t stream) {
+  kRoute[static_cast<int>(id_type)](ids, slots, experts, r, chained, stream);
   check_launch("moe routing kernel");
 }
 

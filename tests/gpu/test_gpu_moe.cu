@@ -505,6 +505,62 @@ TEST_F(GpuMoe, GraphCaptureReplaysWithNewInputs) {
   CUDA_OK(cudaStreamDestroy(s));
 }
 
+// Calls chained on one stream with no synchronization between them, each
+// consuming the previous call's output and routing differently through the
+// same workspace: the kernels launched as programmatic dependents (PDL) must
+// give the bits of strict stream order, and each step the reference's values.
+TEST_F(GpuMoe, ProgrammaticLaunchMatchesStrictOrderAcrossChainedCalls) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g{32, 256, 128, 8, GateUpOrder::w13};
+  const std::uint32_t T = small_run() ? 24 : 300;
+  Layer l(ScaleFormat::nvfp4, g, seed, T);
+  int major = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  constexpr int kSteps = 4;
+  std::vector<Inputs> steps;
+  for (int i = 0; i < kSteps; ++i) steps.push_back(random_inputs(rng, T, g));
+  Buf hidden = Buf::of(steps[0].hidden), ws(moe_workspace_bytes(l.plan_csf, T));
+  std::vector<Buf> ids, wts, outs;
+  for (const Inputs& in : steps) {
+    ids.push_back(Buf::of(in.ids));
+    wts.push_back(Buf::of(in.weights));
+    outs.push_back(Buf(std::size_t{T} * g.hidden * 2));
+  }
+  for (MoeKernel kernel : {MoeKernel::decode, MoeKernel::tiled, MoeKernel::prefill}) {
+    if (kernel == MoeKernel::prefill && !prefill_fits(g)) continue;
+    for (MoeScaleMode m : {MoeScaleMode::native, MoeScaleMode::routed, MoeScaleMode::stage_read}) {
+      if (kernel == MoeKernel::prefill && m == MoeScaleMode::stage_read) continue;
+      SCOPED_TRACE(std::string("kernel ") + std::string(to_string(kernel)) + " mode " +
+                   std::string(to_string(m)));
+      std::vector<std::vector<std::uint16_t>> result[2];
+      for (int chained = 0; chained < 2; ++chained) {
+        MoeBindOptions opt = options_for(m, kernel);
+        opt.programmatic_launch = chained == 1;
+        const BoundMoe b = bind(l.weights_for(m), s, T, {ws.p, ws.n}, false, opt);
+        EXPECT_EQ(b.programmatic_launch(), chained == 1 && major >= 9);
+        for (Buf& o : outs) CUDA_OK(cudaMemsetAsync(o.p, 0xFF, o.n, s));
+        for (int i = 0; i < kSteps; ++i)
+          run(b, i == 0 ? hidden.p : outs[i - 1].p, T, ids[i].p, IndexType::int64, wts[i].as<float>(),
+              outs[i].p);
+        CUDA_OK(cudaStreamSynchronize(s));
+        CUDA_OK(cudaGetLastError());
+        for (const Buf& o : outs) result[chained].push_back(download<std::uint16_t>(o.p, o.n / 2));
+      }
+      for (int i = 0; i < kSteps; ++i) {
+        EXPECT_TRUE(result[1][i] == result[0][i]) << "step " << i << " differs from strict order";
+        Inputs in = steps[i];
+        if (i > 0) in.hidden = result[0][i - 1];
+        const double err = relative_error(to_float(result[1][i]), reference(l, in));
+        EXPECT_LT(err, 1e-2) << "step " << i << " relative error " << err;
+      }
+    }
+  }
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
 TEST_F(GpuMoe, TwoLayersShareOneScratchExpandedOnASideStream) {
   CSFMOE_SEEDED(seed);
   std::mt19937_64 rng(seed);
