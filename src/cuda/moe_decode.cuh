@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
   const std::uint32_t lane_key = std::uint32_t(g | t << 3);  // BlockExceptions::patch
 
   if constexpr (!GateUp) {
-    grid_dependency_wait();  // act, and slot_out (read by the previous call's combine)
+    grid_dependency_wait();  // act, written by the gate/up GEMM
     allow_dependent_launch();
   }
   const float gs = global_scale * kDecodeUnfold<F>;
