@@ -39,7 +39,6 @@ void launch_gate_up(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStrea
     launch_prefill(f, true, p, stream);
   else
     launch_decode(f, true, path, p, stream);
-  check_launch("moe gate/up GEMM");
 }
 
 void launch_down(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t stream) {
@@ -50,7 +49,6 @@ void launch_down(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t
     launch_prefill(f, false, p, stream);
   else
     launch_decode(f, false, path, p, stream);
-  check_launch("moe down GEMM");
 }
 
 }  // namespace csfmoe::moe_detail

@@ -114,7 +114,4 @@ struct CombineParams {
 };
 void launch_combine(IndexType id_type, const CombineParams& p, cudaStream_t stream);
 
-// Throws CudaError naming `what` if the last launch failed.
-void check_launch(const char* what);
-
 }  // namespace csfmoe::moe_detail

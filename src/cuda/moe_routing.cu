@@ -3,9 +3,7 @@
 // tiles of kTileM rows and writes the tile -> expert map. No host sync, no
 // allocation, deterministic (the only atomics count, and counts commute).
 #include <cub/block/block_scan.cuh>
-#include <string>
 
-#include "csfmoe/errors.hpp"
 #include "cuda/launch.cuh"
 #include "cuda/moe_kernels.cuh"
 
@@ -99,12 +97,6 @@ constexpr RouteFn kRoute[2] = {&route<std::int32_t>, &route<std::int64_t>};
 void launch_routing(const void* ids, IndexType id_type, std::uint32_t slots, std::uint32_t experts,
                     const Routing& r, bool chained, cudaStream_t stream) {
   kRoute[static_cast<int>(id_type)](ids, slots, experts, r, chained, stream);
-  check_launch("moe routing kernel");
-}
-
-void check_launch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) throw CudaError(std::string(what) + ": launch failed: " + cudaGetErrorString(err));
 }
 
 }  // namespace csfmoe::moe_detail
