@@ -69,6 +69,13 @@
 #include "cuda/moe_kernels.cuh"
 #include "cuda/moe_scale_read.cuh"
 
+// Diagnostic builds only (scripts/gpu-diag-decode): CSFMOE_DECODE_DIAG=1 keeps
+// the weight and scale stream of the ring and drops everything computed from
+// it, to measure what the stream alone reaches. Results are then wrong.
+#ifndef CSFMOE_DECODE_DIAG
+#define CSFMOE_DECODE_DIAG 0
+#endif
+
 namespace csfmoe::moe_detail {
 
 constexpr int kDecodeMaxWarps = 8;
@@ -190,40 +197,40 @@ constexpr float kDecodeUnfold = F == ScaleFormat::nvfp4 ? 256.0f : 1.0f;
 
 // Scale pairs (s, s) of a lane's K block: sp[c][h] multiplies the values of
 // row c in half h of the lane's 32 (NVFP4: one scale per half, MXFP4: one for
-// both), from the gathered bytes u (LaneScales layout). Four bytes convert by
-// bit assembly; a word holding a subnormal or NaN code takes the exact
-// byte-wise path.
+// both), from the gathered bytes u (LaneScales layout). Each pair is one byte
+// permute and one multiply-add (scale_splat_bf16); a word holding a
+// subnormal, negative or NaN code takes the exact byte-wise path.
 template <ScaleFormat F, int kWords>
 __device__ __forceinline__ void scale_pairs(const std::uint32_t (&u)[kWords], std::uint32_t (&sp)[4][2]) {
   bool special = false;
 #pragma unroll
   for (int j = 0; j < kWords; ++j) special |= decode_bits::scale_word_special<F>(u[j]);
-  std::uint32_t pair[4];  // NVFP4: (half 0, half 1) of row c; MXFP4: (s, s)
   if (!special) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      if constexpr (F == ScaleFormat::nvfp4)
-        pair[c] = c % 2 == 0 ? decode_bits::scale_pair_bf16<F, 0>(u[c / 2])
-                             : decode_bits::scale_pair_bf16<F, 1>(u[c / 2]);
-      else
-        pair[c] = __byte_perm(u[0], 0, 0x4040 | c * 0x0101) << 7;  // byte c to both halves, as E8M0 -> bf16
+    using decode_bits::scale_splat_bf16;
+    if constexpr (F == ScaleFormat::nvfp4) {
+      // u[j] = (row 2j col 0, row 2j col 1, row 2j+1 col 0, row 2j+1 col 1)
+      sp[0][0] = scale_splat_bf16<F, 0>(u[0]), sp[0][1] = scale_splat_bf16<F, 1>(u[0]);
+      sp[1][0] = scale_splat_bf16<F, 2>(u[0]), sp[1][1] = scale_splat_bf16<F, 3>(u[0]);
+      sp[2][0] = scale_splat_bf16<F, 0>(u[1]), sp[2][1] = scale_splat_bf16<F, 1>(u[1]);
+      sp[3][0] = scale_splat_bf16<F, 2>(u[1]), sp[3][1] = scale_splat_bf16<F, 3>(u[1]);
+    } else {
+      sp[0][0] = sp[0][1] = scale_splat_bf16<F, 0>(u[0]);
+      sp[1][0] = sp[1][1] = scale_splat_bf16<F, 1>(u[0]);
+      sp[2][0] = sp[2][1] = scale_splat_bf16<F, 2>(u[0]);
+      sp[3][0] = sp[3][1] = scale_splat_bf16<F, 3>(u[0]);
     }
-  } else {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const auto cv = [&](int byte) {
-        return std::uint32_t(scale_bf16<F>(std::uint8_t(u[byte / 4] >> (8 * (byte % 4)))));
-      };
-      pair[c] = F == ScaleFormat::nvfp4 ? cv(2 * c) | cv(2 * c + 1) << 16 : cv(c) * 0x10001u;
-    }
+    return;
   }
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
+    const auto cv = [&](int byte) {
+      return std::uint32_t(scale_bf16<F>(std::uint8_t(u[byte / 4] >> (8 * (byte % 4))))) * 0x10001u;
+    };
     if constexpr (F == ScaleFormat::nvfp4) {
-      sp[c][0] = __byte_perm(pair[c], 0, 0x1010);
-      sp[c][1] = __byte_perm(pair[c], 0, 0x3232);
+      sp[c][0] = cv(2 * c);
+      sp[c][1] = cv(2 * c + 1);
     } else {
-      sp[c][0] = sp[c][1] = pair[c];
+      sp[c][0] = sp[c][1] = cv(c);
     }
   }
 }
@@ -357,13 +364,45 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
 #pragma unroll
         for (int v = 0; v < 4; ++v) acc[i][n][v] = 0.0f;
 
+    // Passes of 8 tokens load the activations of the next K block while this
+    // one converts (16 registers; wider passes would spill): the loads are L2
+    // hits queued behind the weight stream, which the MMAs otherwise waited on.
+    constexpr bool kPrefetchActivations = NT == 1;
+    uint4 x_next[NT][4];
+    const auto load_activations = [&](int i) {
+      const std::uint32_t kb = warp + std::uint32_t(i) * warps;
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+        if (live(n))
+#pragma unroll
+          for (int w = 0; w < 4; ++w)
+            x_next[n][w] = __ldg(reinterpret_cast<const uint4*>(xrow[n] + kb * kDecodeKBlock + 8 * w));
+    };
+    if constexpr (kPrefetchActivations) {
+      if (my_blocks > 0) load_activations(0);
+    }
     for (int i = 0; i < my_blocks; ++i) {
+      uint4 x[NT][4];
+      if constexpr (kPrefetchActivations) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int w = 0; w < 4; ++w) x[n][w] = x_next[n][w];
+        if (i + 1 < my_blocks) load_activations(i + 1);
+      }
       issue(i + kDecodeStages - 1);
       cp_async_wait<kDecodeStages - 1>();
       const uint4* stage = my_ring + (i & (kDecodeStages - 1)) * kDecodeStageVecs;
       uint4 wq[kDecodeChunksPerLane];
 #pragma unroll
       for (int c = 0; c < kDecodeChunksPerLane; ++c) wq[c] = stage[c * 32];
+#if CSFMOE_DECODE_DIAG == 1
+      {  // memory only (scripts/gpu-diag-decode): the ring's traffic, no conversion, activations or MMAs
+        const uint4 sw = stage[kDecodeChunksPerLane * 32];
+        acc[0][0][0] += __uint_as_float((wq[0].x ^ wq[1].y ^ wq[2].z ^ wq[3].w ^ sw.x) & 0x3F800000u);
+        continue;
+      }
+#endif
       const std::uint32_t kb = warp + std::uint32_t(i) * warps;
       // Scale pairs (s, s) per chunk and half of the lane's 32 values.
       std::uint32_t sp[kDecodeChunksPerLane][2];
@@ -386,7 +425,10 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
           if (live(n)) {
-            const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xrow[n] + kb * kDecodeKBlock + 8 * w));
+            const uint4 xv =
+                kPrefetchActivations
+                    ? x[n][w]
+                    : __ldg(reinterpret_cast<const uint4*>(xrow[n] + kb * kDecodeKBlock + 8 * w));
             b[n][0] = __byte_perm(xv.x, xv.z, 0x5410);
             b[n][1] = __byte_perm(xv.x, xv.z, 0x7632);
             b[n][2] = __byte_perm(xv.y, xv.w, 0x5410);

@@ -48,42 +48,40 @@ CSFMOE_HD std::uint16_t scale_bf16(std::uint8_t b) {
 }
 
 // True when a word of four scale bytes holds a byte that the packed path
-// below does not convert: NVFP4 subnormals (exponent 0) and NaN (x111'1111),
-// MXFP4 0x00 (2^-127, a bf16 subnormal) and 0xFF (NaN). Byte-parallel tests:
+// below does not convert: NVFP4 subnormals (exponent 0), NaN (x111'1111) and
+// negative scales (sign set: the packed path has no sign bit), MXFP4 0x00
+// (2^-127, a bf16 subnormal) and 0xFF (NaN). Byte-parallel tests:
 // haszero(x) = (x - 0x01..) & ~x & 0x80.. is exact as a predicate.
 template <ScaleFormat F>
 CSFMOE_HD bool scale_word_special(std::uint32_t v) {
   const auto has_zero_byte = [](std::uint32_t x) { return ((x - 0x01010101u) & ~x & 0x80808080u) != 0; };
   if constexpr (F == ScaleFormat::nvfp4) {
-    const std::uint32_t mag = v & 0x7F7F7F7Fu;  // bytes <= 0x7F: +1 sets bit 7 only for 0x7F
-    return has_zero_byte(v & 0x78787878u) || ((mag + 0x01010101u) & 0x80808080u) != 0;
+    // Bytes <= 0x7F once the sign is known clear: +1 sets bit 7 only for 0x7F.
+    return has_zero_byte(v & 0x78787878u) || ((v | ((v & 0x7F7F7F7Fu) + 0x01010101u)) & 0x80808080u) != 0;
   } else {
     return has_zero_byte(v) || has_zero_byte(~v);
   }
 }
 
-// Bytes 2P and 2P + 1 of v into the low byte of each 16-bit half.
-template <int P>
-CSFMOE_HD std::uint32_t spread_byte_pair(std::uint32_t v) {
+// bf16 pair (s, s): scale_bf16 of byte B of v in both halves, exact when
+// !scale_word_special(v). A byte permute isolates the byte b, then one
+// integer multiply(-add), on the FMA pipe, writes it into both halves: NVFP4
+// (sign clear, exponent e 1..15, mantissa m) as b * 16 + 0x7700 (m at bf16
+// mantissa bits 4..6, e at exponent bits 7..10, + 238 on the exponent: the
+// rebias 127 - 7 plus the fold 118; no carry reaches the other half), MXFP4
+// as b << 7 (the E8M0 byte is the bf16 exponent).
+template <ScaleFormat F, int B>
+CSFMOE_HD std::uint32_t scale_splat_bf16(std::uint32_t v) {
+  static_assert(B >= 0 && B < 4);
 #if defined(__CUDA_ARCH__)
-  return __byte_perm(v, 0u, P == 0 ? 0x4140 : 0x4342);
+  const std::uint32_t b = __byte_perm(v, 0u, 0x4440 | B);
 #else
-  const std::uint32_t two = P == 0 ? v : v >> 16;
-  return (two & 0xFFu) | ((two & 0xFF00u) << 8);
+  const std::uint32_t b = (v >> (8 * B)) & 0xFFu;
 #endif
-}
-
-// bf16 pair (scale_bf16 of bytes 2P, 2P + 1 of v) by bit assembly, exact when
-// !scale_word_special(v): E4M3 exponent e (1..15) and mantissa m become bf16
-// exponent e + 238 (the rebias 127 - 7 plus the fold 118) and mantissa m << 4;
-// E8M0 byte v becomes bf16 exponent v.
-template <ScaleFormat F, int P>
-CSFMOE_HD std::uint32_t scale_pair_bf16(std::uint32_t v) {
-  const std::uint32_t t = spread_byte_pair<P>(v);
   if constexpr (F == ScaleFormat::nvfp4)
-    return ((t & 0x007F007Fu) * 16u + 0x77007700u) | ((t << 8) & 0x80008000u);
+    return b * 0x00100010u + 0x77007700u;
   else
-    return t << 7;
+    return b * 0x00800080u;
 }
 
 // The prefill kernel's K permutation (src/cuda/moe_prefill.cuh), the decode

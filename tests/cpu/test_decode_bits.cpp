@@ -83,16 +83,18 @@ void check_scale_word(std::uint32_t v) {
   for (int i = 0; i < 4; ++i) {
     const unsigned b = (v >> (8 * i)) & 0xFFu;
     if (F == ScaleFormat::nvfp4)
-      special |= (b & 0x78u) == 0 || (b & 0x7Fu) == 0x7Fu;
+      special |= (b & 0x78u) == 0 || (b & 0x7Fu) == 0x7Fu || (b & 0x80u) != 0;
     else
       special |= b == 0 || b == 0xFFu;
   }
   ASSERT_EQ(scale_word_special<F>(v), special) << std::hex << v;
   if (special) return;
-  const std::uint32_t p0 = scale_pair_bf16<F, 0>(v), p1 = scale_pair_bf16<F, 1>(v);
-  const auto want = [&](int i) { return std::uint32_t(scale_bf16<F>(std::uint8_t(v >> (8 * i)))); };
-  ASSERT_EQ(p0, want(0) | (want(1) << 16)) << std::hex << v;
-  ASSERT_EQ(p1, want(2) | (want(3) << 16)) << std::hex << v;
+  const std::uint32_t got[4] = {scale_splat_bf16<F, 0>(v), scale_splat_bf16<F, 1>(v),
+                                scale_splat_bf16<F, 2>(v), scale_splat_bf16<F, 3>(v)};
+  for (int i = 0; i < 4; ++i) {
+    const std::uint32_t want = scale_bf16<F>(std::uint8_t(v >> (8 * i)));
+    ASSERT_EQ(got[i], want | (want << 16)) << std::hex << v << " byte " << i;
+  }
 }
 
 TEST(DecodeBits, PackedScaleWordsMatchBytewiseConversion) {

@@ -369,8 +369,8 @@ TEST_F(GpuMoe, DecodeKernelOnAdversarialCodesAndScales) {
         for (auto& b : *v) b = std::uint8_t(rng());
       for (auto* v : {&w.w13_scales, &w.w2_scales})
         for (auto& b : *v) {
-          if (f == ScaleFormat::nvfp4)
-            b = std::uint8_t(rng() % 0x7F);  // every finite positive E4M3 code, 0 and subnormals too
+          if (f == ScaleFormat::nvfp4)  // every finite E4M3 code: 0, subnormals, one in eight negative
+            b = std::uint8_t(rng() % 0x7F | (rng() % 8 == 0 ? 0x80 : 0));
           else
             b = std::uint8_t(112 + rng() % 24);  // 2^-15 .. 2^8
         }
