@@ -92,7 +92,8 @@ static_assert(kDecodeMaxWarps * 32 <= BlockExceptions::kMaxThreads,
 
 // Host and device agree on the dynamic shared memory layout through these.
 struct DecodeSmem {
-  std::uint32_t ring_bytes = 0;  // per-warp rings, later the partial sums
+  std::uint32_t ring_bytes = 0;  // per-warp rings (one row block: later the partial sums)
+  std::uint32_t partial_at = 0;  // the partial sums: 0 (over the dead rings) or their own region
   std::uint32_t total = 0;
 };
 
@@ -123,14 +124,32 @@ CSFMOE_HD std::uint32_t decode_warps(std::uint32_t kblocks, std::uint64_t blocks
   return w;
 }
 
+// Row blocks a block streams in turn, where it can (decode_launch), for blocks
+// of `warps_per_block` warps of `kblocks_per_warp` K blocks and a launch of
+// `warps` warps in all. Measured on the H200 (docs/performance.md, v6): runs
+// of 2 help 8-warp blocks of few K blocks in a launch of several waves
+// (DeepSeek-V3 and Kimi K2 gate/up at T = 1: 90.0 -> 86.3 us per call); they
+// cost where warps already stream long (T = 8..64) and in 2-warp blocks of 8 K
+// blocks (Qwen3-30B-A3B T = 8: 77.2 -> 82.6 us), and runs of 4 or 8 cost
+// everywhere measured.
+CSFMOE_HD std::uint32_t decode_row_block_run(std::uint32_t warps_per_block, std::uint32_t kblocks_per_warp,
+                                             std::uint64_t warps, std::uint32_t sm_count) {
+  const std::uint64_t warp_slots = std::uint64_t(sm_count) * 2 * kDecodeMaxWarps;
+  return warps_per_block == kDecodeMaxWarps && kblocks_per_warp <= 8 && 2 * warps >= 3 * warp_slots ? 2 : 1;
+}
+
 // Shared memory of a decode block of `warps` warps and token passes of 8 *
-// nt; CSF blocks also stage their exception records (BlockExceptions).
-CSFMOE_HD DecodeSmem decode_smem(std::uint32_t warps, std::uint32_t nt, bool csf) {
+// nt; CSF blocks also stage their exception records (BlockExceptions). A
+// block streaming a run of row blocks keeps its rings running through each
+// row block's reduction, so its partial sums get their own region.
+CSFMOE_HD DecodeSmem decode_smem(std::uint32_t warps, std::uint32_t nt, bool csf, bool run = false) {
   DecodeSmem s;
   const std::uint32_t ring = warps * kDecodeStages * kDecodeStageVecs * 16;
   const std::uint32_t partial = warps * kDecodeRows * 8 * nt * 4;
-  s.ring_bytes = ring > partial ? ring : partial;
-  s.total = s.ring_bytes + kTileM * 4 + (csf ? std::uint32_t(sizeof(BlockExceptions)) : 0u);
+  s.ring_bytes = run || ring > partial ? ring : partial;
+  const std::uint32_t rest = s.ring_bytes + kTileM * 4 + (csf ? std::uint32_t(sizeof(BlockExceptions)) : 0u);
+  s.partial_at = run ? rest : 0u;
+  s.total = rest + (run ? partial : 0u);
   return s;
 }
 
@@ -254,19 +273,26 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
   if (tile >= p.header[0]) return;
   const int warps = int(blockDim.x / 32);  // decode_warps
   constexpr bool kCsf = K == ScaleKind::csf;
-  const DecodeSmem lay = decode_smem(std::uint32_t(warps), NT, kCsf);
+  // A block streams row blocks rb_first .. rb_first + runs - 1 of its tile in
+  // turn (p.row_block_run; more than one only for dense scales, 8-token
+  // passes and more than kDecodeStages - 1 K blocks per warp: decode_launch).
+  const bool run = NT == 1 && !kCsf && p.row_block_run > 1;
+  const DecodeSmem lay = decode_smem(std::uint32_t(warps), NT, kCsf, run);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  auto* ring = reinterpret_cast<uint4*>(smem);                 // [warp][stage][chunk + scales][lane]
-  auto* partial = reinterpret_cast<float*>(smem);              // [warp][row][token], after the loop
-  auto* arow = reinterpret_cast<int*>(smem + lay.ring_bytes);  // [kTileM]
+  auto* ring = reinterpret_cast<uint4*>(smem);                      // [warp][stage][chunk + scales][lane]
+  auto* partial = reinterpret_cast<float*>(smem + lay.partial_at);  // [warp][row][token], after the loop
+  auto* arow = reinterpret_cast<int*>(smem + lay.ring_bytes);       // [kTileM]
   auto* block_exceptions = reinterpret_cast<BlockExceptions*>(smem + lay.ring_bytes + kTileM * 4);  // csf
 
   const int e = p.tile_expert[tile];
   const std::uint32_t row0 = std::uint32_t(tile) * kTileM;
   constexpr int kOutPerBlock = GateUp ? kDecodeRows / 2 : kDecodeRows;
-  const std::uint32_t n0 = blockIdx.y * kOutPerBlock;
-  // Weight row of block row r (gate/up: rows 0..15 gate, 16..31 up).
-  const auto wrow = [&](int r) -> std::uint32_t {
+  const std::uint32_t rb_first = blockIdx.y * p.row_block_run;
+  const std::uint32_t row_blocks = (GateUp ? p.n : p.out_rows) / kOutPerBlock;
+  const int runs = run ? int(min(p.row_block_run, row_blocks - rb_first)) : 1;
+  // Weight row of block row r of the run's row block j (gate/up: rows 0..15 gate, 16..31 up).
+  const auto wrow = [&](int r, int j = 0) -> std::uint32_t {
+    const std::uint32_t n0 = (rb_first + std::uint32_t(j)) * kOutPerBlock;
     if constexpr (GateUp)
       return r < kOutPerBlock ? p.gate_row0 + n0 + r : p.up_row0 + n0 + (r - kOutPerBlock);
     else
@@ -276,29 +302,58 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
   const int my_blocks = warp < int(kblocks) ? (int(kblocks) - 1 - warp) / warps + 1 : 0;
   const std::uint64_t row_bytes = p.k / 2;
   const std::uint8_t* w_e = p.w + std::uint64_t(e) * p.out_rows * row_bytes;
-  std::uint32_t rows[kDecodeChunksPerLane];  // the lane's weight rows
+  const auto lane_rows = [&](int j, std::uint32_t(&rows)[kDecodeChunksPerLane]) {
+#pragma unroll
+    for (int c = 0; c < kDecodeChunksPerLane; ++c) rows[c] = wrow(decode_lane_row(c, g), j);
+  };
+  std::uint32_t rows[kDecodeChunksPerLane];  // the lane's weight rows in the run's first row block
+  lane_rows(0, rows);
   const std::uint8_t* src[kDecodeChunksPerLane];
 #pragma unroll
-  for (int c = 0; c < kDecodeChunksPerLane; ++c) {
-    rows[c] = wrow(decode_lane_row(c, g));
-    src[c] = w_e + std::uint64_t(rows[c]) * row_bytes + t * 16;
-  }
-  const LaneScales<F, K> lane_scales(p.scales, expert_scales<K>(p.scales, e), rows, t);
+  for (int c = 0; c < kDecodeChunksPerLane; ++c) src[c] = w_e + std::uint64_t(rows[c]) * row_bytes + t * 16;
+  const std::uint8_t* scales_e = expert_scales<K>(p.scales, e);
+  // Two readers of the lane's scale words: the issuing side's (addresses) and
+  // the converting side's (byte selectors), each at its own row block.
+  LaneScales<F, K> lane_scales(p.scales, scales_e, rows, t), issue_scales = lane_scales;
   uint4* my_ring = ring + std::size_t(warp) * kDecodeStages * kDecodeStageVecs + lane;
-  const auto issue = [&](int i) {
-    if (i < my_blocks) {
-      const std::uint32_t kb = warp + std::uint32_t(i) * warps;
-      uint4* dst = my_ring + (i & (kDecodeStages - 1)) * kDecodeStageVecs;
+  // The warp's stream: per row block j of the run, per token pass, its K
+  // blocks. The issuing cursor runs kDecodeStages - 1 positions ahead of the
+  // converting one; in a run it crosses into the next pass or row block (the
+  // ring keeps running through the reductions), otherwise it stops at the
+  // pass's end (the partial sums overlay the ring) and restarts with the next.
+  int issue_i = 0, issue_pass = 0, issue_j = 0, passes = 1;  // passes: known once the rows are read
+  std::uint32_t issued = 0, consumed = 0;                    // ring positions
+  std::uint64_t issue_offset = 0;                            // weight bytes of row block issue_j
+  const auto issue = [&]() {
+    if (issue_i < my_blocks && issue_j < runs) {
+      const std::uint32_t kb = warp + std::uint32_t(issue_i) * warps;
+      uint4* dst = my_ring + (issued & (kDecodeStages - 1)) * kDecodeStageVecs;
 #pragma unroll
-      for (int c = 0; c < kDecodeChunksPerLane; ++c) cp_async16(dst + c * 32, src[c] + kb * 64);
+      for (int c = 0; c < kDecodeChunksPerLane; ++c)
+        cp_async16(dst + c * 32, src[c] + issue_offset + kb * 64);
       auto* scale_dst = reinterpret_cast<std::uint32_t*>(dst + kDecodeChunksPerLane * 32);
 #pragma unroll
-      for (int c = 0; c < kDecodeChunksPerLane; ++c) cp_async4(scale_dst + c, lane_scales.word(c, kb));
+      for (int c = 0; c < kDecodeChunksPerLane; ++c) cp_async4(scale_dst + c, issue_scales.word(c, kb));
+      ++issued;
+      if (++issue_i == my_blocks && run) {
+        issue_i = 0;
+        if (++issue_pass == passes) {
+          issue_pass = 0;
+          if (++issue_j < runs) {
+            std::uint32_t next[kDecodeChunksPerLane];
+            lane_rows(issue_j, next);
+            issue_scales = LaneScales<F, K>(p.scales, scales_e, next, t);
+            issue_offset = std::uint64_t(issue_j) * kOutPerBlock * row_bytes;
+          }
+        }
+      }
     }
     cp_async_commit();  // empty groups keep the wait counts uniform
   };
-  // The weight stream starts before anything else is read.
-  for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
+  // The weight stream starts before anything else is read (inside the first
+  // pass of the first row block: a run's warps hold more than kDecodeStages - 1
+  // K blocks, so the cursor does not roll over before `passes` is known).
+  for (int s = 0; s < kDecodeStages - 1; ++s) issue();
 
   if constexpr (kCsf)
     block_exceptions->load_prefix(p.scales, e, wrow(0), wrow(16), kblocks, tid, int(blockDim.x));
@@ -311,6 +366,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
     if (m < kTileM) arow[m] = slot < 0 ? -1 : (GateUp ? slot / int(p.topk) : int(row0) + m);
     valid += __syncthreads_count(slot >= 0);
   }
+  passes = (valid + 8 * NT - 1) / (8 * NT);
   const float global_scale = p.global ? p.global[e] : 1.0f;
   bool exceptions_staged = false;  // block-uniform: bucketed in shared memory (else LaneExceptions)
   if constexpr (kCsf) {
@@ -331,159 +387,169 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
   }
   const float gs = global_scale * kDecodeUnfold<F>;
   const std::uint16_t* x_base = p.a;
-  for (int tok0 = 0; tok0 < valid; tok0 += 8 * NT) {
-    const int left = valid - tok0;
-    const int chunks = left >= 8 * NT ? NT : (left + 7) / 8;
-    // Chunk n holds tokens (chunk 0 always does: said at compile time, so the
-    // single-chunk kernel has no branch around its MMAs).
-    const auto live = [&](int n) { return n == 0 || n < chunks; };
-    // Activation row of this lane's token in each chunk (a clamped valid row
-    // for the padding columns; their results are never stored).
-    const std::uint16_t* xrow[NT];
+  for (int j = 0; j < runs; ++j) {
+    if (j > 0) {
+      lane_rows(j, rows);
+      lane_scales = LaneScales<F, K>(p.scales, scales_e, rows, t);
+    }
+    const std::uint32_t n0 = (rb_first + std::uint32_t(j)) * kOutPerBlock;
+    for (int tok0 = 0; tok0 < valid; tok0 += 8 * NT) {
+      const int left = valid - tok0;
+      const int chunks = left >= 8 * NT ? NT : (left + 7) / 8;
+      // Chunk n holds tokens (chunk 0 always does: said at compile time, so the
+      // single-chunk kernel has no branch around its MMAs).
+      const auto live = [&](int n) { return n == 0 || n < chunks; };
+      // Activation row of this lane's token in each chunk (a clamped valid row
+      // for the padding columns; their results are never stored).
+      const std::uint16_t* xrow[NT];
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const int m = tok0 + 8 * n + g;
-      const int src_row = arow[m < valid ? m : tok0];
-      xrow[n] = x_base + std::uint64_t(src_row) * p.k + t * 32;
-    }
-    if (tok0 > 0) {
-      __syncthreads();  // the previous pass's partial sums overlaid the rings
-      for (int s = 0; s < kDecodeStages - 1; ++s) issue(s);
-    }
-    // Staged records need no state; the cursors restart with each pass.
-    LaneExceptions<F> exceptions;
-    if constexpr (kCsf) {
-      if (!exceptions_staged) exceptions.start(p.scales, *block_exceptions, tid, g);
-    }
+      for (int n = 0; n < NT; ++n) {
+        const int m = tok0 + 8 * n + g;
+        const int src_row = arow[m < valid ? m : tok0];
+        xrow[n] = x_base + std::uint64_t(src_row) * p.k + t * 32;
+      }
+      if (tok0 > 0 && !run) {
+        __syncthreads();  // the previous pass's partial sums overlaid the rings
+        issue_i = 0;
+        for (int s = 0; s < kDecodeStages - 1; ++s) issue();
+      }
+      // Staged records need no state; the cursors restart with each pass.
+      LaneExceptions<F> exceptions;
+      if constexpr (kCsf) {
+        if (!exceptions_staged) exceptions.start(p.scales, *block_exceptions, tid, g);
+      }
 
-    float acc[2][NT][4];
+      float acc[2][NT][4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int v = 0; v < 4; ++v) acc[i][n][v] = 0.0f;
-
-    // Passes of 8 tokens load the activations of the next K block while this
-    // one converts (16 registers; wider passes would spill): the loads are L2
-    // hits queued behind the weight stream, which the MMAs otherwise waited on.
-    constexpr bool kPrefetchActivations = NT == 1;
-    uint4 x_next[NT][4];
-    const auto load_activations = [&](int i) {
-      const std::uint32_t kb = warp + std::uint32_t(i) * warps;
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-        if (live(n))
-#pragma unroll
-          for (int w = 0; w < 4; ++w)
-            x_next[n][w] = __ldg(reinterpret_cast<const uint4*>(xrow[n] + kb * kDecodeKBlock + 8 * w));
-    };
-    if constexpr (kPrefetchActivations) {
-      if (my_blocks > 0) load_activations(0);
-    }
-    for (int i = 0; i < my_blocks; ++i) {
-      uint4 x[NT][4];
-      if constexpr (kPrefetchActivations) {
+      for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
-          for (int w = 0; w < 4; ++w) x[n][w] = x_next[n][w];
-        if (i + 1 < my_blocks) load_activations(i + 1);
-      }
-      issue(i + kDecodeStages - 1);
-      cp_async_wait<kDecodeStages - 1>();
-      const uint4* stage = my_ring + (i & (kDecodeStages - 1)) * kDecodeStageVecs;
-      uint4 wq[kDecodeChunksPerLane];
+          for (int v = 0; v < 4; ++v) acc[i][n][v] = 0.0f;
+
+      // Passes of 8 tokens load the activations of the next K block while this
+      // one converts (16 registers; wider passes would spill): the loads are L2
+      // hits queued behind the weight stream, which the MMAs otherwise waited on.
+      constexpr bool kPrefetchActivations = NT == 1;
+      uint4 x_next[NT][4];
+      const auto load_activations = [&](int i) {
+        const std::uint32_t kb = warp + std::uint32_t(i) * warps;
 #pragma unroll
-      for (int c = 0; c < kDecodeChunksPerLane; ++c) wq[c] = stage[c * 32];
+        for (int n = 0; n < NT; ++n)
+          if (live(n))
+#pragma unroll
+            for (int w = 0; w < 4; ++w)
+              x_next[n][w] = __ldg(reinterpret_cast<const uint4*>(xrow[n] + kb * kDecodeKBlock + 8 * w));
+      };
+      if constexpr (kPrefetchActivations) {
+        if (my_blocks > 0) load_activations(0);
+      }
+      for (int i = 0; i < my_blocks; ++i) {
+        uint4 x[NT][4];
+        if constexpr (kPrefetchActivations) {
+#pragma unroll
+          for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int w = 0; w < 4; ++w) x[n][w] = x_next[n][w];
+          if (i + 1 < my_blocks) load_activations(i + 1);
+        }
+        issue();
+        cp_async_wait<kDecodeStages - 1>();
+        const uint4* stage = my_ring + (consumed++ & (kDecodeStages - 1)) * kDecodeStageVecs;
+        uint4 wq[kDecodeChunksPerLane];
+#pragma unroll
+        for (int c = 0; c < kDecodeChunksPerLane; ++c) wq[c] = stage[c * 32];
 #if CSFMOE_DECODE_DIAG == 1
-      {  // memory only (scripts/gpu-diag-decode): the ring's traffic, no conversion, activations or MMAs
-        const uint4 sw = stage[kDecodeChunksPerLane * 32];
-        acc[0][0][0] += __uint_as_float((wq[0].x ^ wq[1].y ^ wq[2].z ^ wq[3].w ^ sw.x) & 0x3F800000u);
-        continue;
-      }
+        {  // memory only (scripts/gpu-diag-decode): the ring's traffic, no conversion, activations or MMAs
+          const uint4 sw = stage[kDecodeChunksPerLane * 32];
+          acc[0][0][0] += __uint_as_float((wq[0].x ^ wq[1].y ^ wq[2].z ^ wq[3].w ^ sw.x) & 0x3F800000u);
+          continue;
+        }
 #endif
-      const std::uint32_t kb = warp + std::uint32_t(i) * warps;
-      // Scale pairs (s, s) per chunk and half of the lane's 32 values.
-      std::uint32_t sp[kDecodeChunksPerLane][2];
-      {
-        constexpr int kWords = LaneScales<F, K>::kWords;
-        std::uint32_t u[kWords];
-        lane_scales.gather(stage[kDecodeChunksPerLane * 32], kb, u);
-        if constexpr (kCsf) {
-          if (exceptions_staged)
-            block_exceptions->patch(kb, lane_key, u);
-          else if (exceptions.due(kb))
-            exceptions.patch(p.scales, *block_exceptions, tid, g, kb, t, u);
-        }
-        scale_pairs<F>(u, sp);
-      }
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        // Activations k = 8w..8w+7 of the lane's 32: pairs (0,4) (1,5) | (2,6) (3,7).
-        std::uint32_t b[NT][4];
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          if (live(n)) {
-            const uint4 xv =
-                kPrefetchActivations
-                    ? x[n][w]
-                    : __ldg(reinterpret_cast<const uint4*>(xrow[n] + kb * kDecodeKBlock + 8 * w));
-            b[n][0] = __byte_perm(xv.x, xv.z, 0x5410);
-            b[n][1] = __byte_perm(xv.x, xv.z, 0x7632);
-            b[n][2] = __byte_perm(xv.y, xv.w, 0x5410);
-            b[n][3] = __byte_perm(xv.y, xv.w, 0x7632);
+        const std::uint32_t kb = warp + std::uint32_t(i) * warps;
+        // Scale pairs (s, s) per chunk and half of the lane's 32 values.
+        std::uint32_t sp[kDecodeChunksPerLane][2];
+        {
+          constexpr int kWords = LaneScales<F, K>::kWords;
+          std::uint32_t u[kWords];
+          lane_scales.gather(stage[kDecodeChunksPerLane * 32], kb, u);
+          if constexpr (kCsf) {
+            if (exceptions_staged)
+              block_exceptions->patch(kb, lane_key, u);
+            else if (exceptions.due(kb))
+              exceptions.patch(p.scales, *block_exceptions, tid, g, kb, t, u);
           }
+          scale_pairs<F>(u, sp);
         }
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          const std::uint32_t qlo = (&wq[2 * mt].x)[w], qhi = (&wq[2 * mt + 1].x)[w];
-          std::uint32_t lo[4], hi[4];
-          dequant_words<F>(qlo, sp[2 * mt][w / 2], qhi, sp[2 * mt + 1][w / 2], lo, hi);
+        for (int w = 0; w < 4; ++w) {
+          // Activations k = 8w..8w+7 of the lane's 32: pairs (0,4) (1,5) | (2,6) (3,7).
+          std::uint32_t b[NT][4];
 #pragma unroll
           for (int n = 0; n < NT; ++n) {
             if (live(n)) {
-              mma_bf16(acc[mt][n], lo[0], hi[0], lo[1], hi[1], b[n][0], b[n][1]);
-              mma_bf16(acc[mt][n], lo[2], hi[2], lo[3], hi[3], b[n][2], b[n][3]);
+              const uint4 xv =
+                  kPrefetchActivations
+                      ? x[n][w]
+                      : __ldg(reinterpret_cast<const uint4*>(xrow[n] + kb * kDecodeKBlock + 8 * w));
+              b[n][0] = __byte_perm(xv.x, xv.z, 0x5410);
+              b[n][1] = __byte_perm(xv.x, xv.z, 0x7632);
+              b[n][2] = __byte_perm(xv.y, xv.w, 0x5410);
+              b[n][3] = __byte_perm(xv.y, xv.w, 0x7632);
+            }
+          }
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            const std::uint32_t qlo = (&wq[2 * mt].x)[w], qhi = (&wq[2 * mt + 1].x)[w];
+            std::uint32_t lo[4], hi[4];
+            dequant_words<F>(qlo, sp[2 * mt][w / 2], qhi, sp[2 * mt + 1][w / 2], lo, hi);
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+              if (live(n)) {
+                mma_bf16(acc[mt][n], lo[0], hi[0], lo[1], hi[1], b[n][0], b[n][1]);
+                mma_bf16(acc[mt][n], lo[2], hi[2], lo[3], hi[3], b[n][2], b[n][3]);
+              }
             }
           }
         }
       }
-    }
 
-    // Partial sums of every warp meet in shared memory (the rings are dead).
-    cp_async_wait<0>();
-    __syncthreads();
-    const int ptok = 8 * NT;
+      // Partial sums of every warp meet in shared memory: over the drained
+      // rings, or (a run) in their own region once the previous reduction has
+      // read it.
+      if (!run) cp_async_wait<0>();
+      __syncthreads();
+      const int ptok = 8 * NT;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        if (live(n)) {
+        for (int n = 0; n < NT; ++n) {
+          if (live(n)) {
 #pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            const int r = 16 * mt + g + 8 * (v / 2), m = 8 * n + 2 * t + (v % 2);
-            partial[(warp * kDecodeRows + r) * ptok + m] = acc[mt][n][v];
+            for (int v = 0; v < 4; ++v) {
+              const int r = 16 * mt + g + 8 * (v / 2), m = 8 * n + 2 * t + (v % 2);
+              partial[(warp * kDecodeRows + r) * ptok + m] = acc[mt][n][v];
+            }
           }
         }
-      }
-    __syncthreads();
-    const int toks = left < 8 * NT ? left : 8 * NT;
-    for (int idx = tid; idx < kOutPerBlock * toks; idx += blockDim.x) {
-      const int o = idx % kOutPerBlock, m = idx / kOutPerBlock;
-      const auto sum = [&](int r) {
-        float s = 0.0f;
-        for (int w = 0; w < warps; ++w) s += partial[(w * kDecodeRows + r) * ptok + m];
-        return s * gs;
-      };
-      if constexpr (GateUp) {
-        const float gate = sum(o), up = sum(o + kOutPerBlock);
-        const float y = gate / (1.0f + expf(-gate)) * up;
-        const __nv_bfloat16 h = __float2bfloat16_rn(y);
-        p.act[std::uint64_t(row0 + tok0 + m) * p.n + n0 + o] = *reinterpret_cast<const std::uint16_t*>(&h);
-      } else {
-        const int s = p.sorted_slot[row0 + tok0 + m];
-        p.slot_out[std::uint64_t(s) * p.out_rows + n0 + o] = sum(o);
+      __syncthreads();
+      const int toks = left < 8 * NT ? left : 8 * NT;
+      for (int idx = tid; idx < kOutPerBlock * toks; idx += blockDim.x) {
+        const int o = idx % kOutPerBlock, m = idx / kOutPerBlock;
+        const auto sum = [&](int r) {
+          float s = 0.0f;
+          for (int w = 0; w < warps; ++w) s += partial[(w * kDecodeRows + r) * ptok + m];
+          return s * gs;
+        };
+        if constexpr (GateUp) {
+          const float gate = sum(o), up = sum(o + kOutPerBlock);
+          const float y = gate / (1.0f + expf(-gate)) * up;
+          const __nv_bfloat16 h = __float2bfloat16_rn(y);
+          p.act[std::uint64_t(row0 + tok0 + m) * p.n + n0 + o] = *reinterpret_cast<const std::uint16_t*>(&h);
+        } else {
+          const int s = p.sorted_slot[row0 + tok0 + m];
+          p.slot_out[std::uint64_t(s) * p.out_rows + n0 + o] = sum(o);
+        }
       }
     }
   }

@@ -45,15 +45,32 @@ std::uint32_t launch_warps(std::uint32_t kblocks, std::uint64_t blocks, std::uin
   return decode_warps(kblocks, blocks, sm_count, rule);
 }
 
+// Row blocks per block (DecodeShapeRule::row_block_run, CSFMOE_DECODE_RUN
+// overrides), for launches whose blocks can run them: dense scales (the CSF
+// exception records are staged per row block), passes of 8 tokens (the
+// partial sums need their own 8 KB per 8 warps), and warps of more than
+// kDecodeStages - 1 K blocks (the stream's first stages, issued before the
+// block knows its token passes, stay inside the first pass).
+std::uint32_t launch_row_block_run(bool can_run, std::uint32_t warps, std::uint32_t kblocks,
+                                   std::uint64_t blocks, std::uint32_t sm_count) {
+  static const std::uint32_t fixed = env_choice("CSFMOE_DECODE_RUN", 1, 64);
+  if (!can_run || kblocks < warps * kDecodeStages) return 1;
+  return fixed != 0 ? fixed : decode_row_block_run(warps, kblocks / warps, blocks * warps, sm_count);
+}
+
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
 void decode_launch(const GemmParams& p, cudaStream_t stream) {
   const std::uint32_t per_block = GateUp ? kDecodeRows / 2 : kDecodeRows;
   const std::uint32_t row_blocks = (GateUp ? p.n : p.out_rows) / per_block;
-  const std::uint32_t warps =
-      launch_warps(p.k / kDecodeKBlock, std::uint64_t(p.max_tiles) * row_blocks, p.sm_count);
-  const DecodeSmem s = decode_smem(warps, NT, K == ScaleKind::csf);
+  const std::uint32_t kblocks = p.k / kDecodeKBlock;
+  const std::uint32_t warps = launch_warps(kblocks, std::uint64_t(p.max_tiles) * row_blocks, p.sm_count);
+  GemmParams q = p;
+  q.row_block_run = launch_row_block_run(K != ScaleKind::csf && NT == 1, warps, kblocks,
+                                         std::uint64_t(p.max_tiles) * row_blocks, p.sm_count);
+  const DecodeSmem s = decode_smem(warps, NT, K == ScaleKind::csf, q.row_block_run > 1);
   launch_kernel("moe decode GEMM", p.chained, &moe_decode_kernel<F, K, GateUp, NT>,
-                dim3(p.max_tiles, row_blocks), dim3(warps * 32), s.total, stream, p);
+                dim3(p.max_tiles, (row_blocks + q.row_block_run - 1) / q.row_block_run), dim3(warps * 32),
+                s.total, stream, q);
 }
 
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
@@ -90,8 +107,12 @@ bool decode_shape_ok(std::uint32_t hidden, std::uint32_t intermediate) {
 
 std::uint32_t decode_smem_bytes(std::uint32_t k) {
   const std::uint32_t kblocks = k / kDecodeKBlock;
-  // The largest block decode_warps can choose, with the widest token pass.
-  return decode_smem(kblocks < kDecodeMaxWarps ? kblocks : kDecodeMaxWarps, 4, true).total;
+  // The largest block decode_warps can choose: the widest token pass, or a
+  // run of row blocks (8-token passes, dense scales).
+  const std::uint32_t warps = kblocks < kDecodeMaxWarps ? kblocks : kDecodeMaxWarps;
+  const std::uint32_t widest = decode_smem(warps, 4, true).total,
+                      run = decode_smem(warps, 1, false, true).total;
+  return widest > run ? widest : run;
 }
 
 void configure_decode_kernels(std::uint32_t smem_bytes) {

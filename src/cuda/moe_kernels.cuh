@@ -74,6 +74,8 @@ struct GemmParams {
   // down: per-slot outputs [T * k, H] f32.
   float* slot_out = nullptr;
   bool chained = false;  // programmatic dependent launch (launch.cuh)
+  // Decode kernel: row blocks each block streams in turn (set by its launcher).
+  std::uint32_t row_block_run = 1;
 };
 
 // Which GEMM kernel runs a call: the tiled kernel (moe_gemm.cuh), the
@@ -111,6 +113,8 @@ struct CombineParams {
   std::uint16_t* out = nullptr;  // bf16 [T, H]
   std::uint32_t tokens = 0, topk = 0, hidden = 0, experts = 0;
   bool chained = false;  // programmatic dependent launch (launch.cuh)
+  // Decode kernel: row blocks each block streams in turn (set by its launcher).
+  std::uint32_t row_block_run = 1;
 };
 void launch_combine(IndexType id_type, const CombineParams& p, cudaStream_t stream);
 

@@ -383,6 +383,29 @@ TEST_F(GpuMoe, DecodeKernelOnAdversarialCodesAndScales) {
   }
 }
 
+// Runs of row blocks (a decode block streaming several row blocks of its tile
+// in turn, the ring running through each row block's reduction): K of 8 and 4
+// blocks of 128 lets them apply; ctest runs this test again with
+// CSFMOE_DECODE_RUN = 2 and 3 (tests/CMakeLists.txt: partial last runs, and
+// tiles of several 8-token passes at T = 20 and 64). The native call then
+// streams runs and the stage-read call does not: check_all_modes holds them
+// to identical bits, and both to the CPU reference.
+TEST_F(GpuMoe, DecodeRowBlockRunsMatchReferenceAndStageRead) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g{8, 1024, 512, 4, GateUpOrder::w13};
+  for (ScaleFormat f : {ScaleFormat::nvfp4, ScaleFormat::mxfp4})
+    for (ScaleLayout lay : {ScaleLayout::row_major, ScaleLayout::swizzled_128x4}) {
+      Layer l(f, g, seed, 64, lay);
+      Call call(l.plan_csf, 64);
+      for (std::uint32_t T : {1u, 7u, 20u, 64u})
+        check_all_modes(l, random_inputs(rng, T, g), call,
+                        std::string(to_string(f)) +
+                            (lay == ScaleLayout::row_major ? " row-major" : " swizzled") +
+                            " T=" + std::to_string(T));
+    }
+}
+
 TEST_F(GpuMoe, DecodeAndTiledKernelsChosenByTokenCount) {
   CSFMOE_SEEDED(seed);
   const MoeLayerGeometry g{8, 256, 128, 2, GateUpOrder::w13};
