@@ -56,7 +56,11 @@
 // A block serves one routing tile (kTileM sorted rows of one expert) and 32
 // weight rows: 16 gate + 16 up rows (16 outputs) for gate/up, 32 output rows
 // for down. Tokens run in passes of 8 * NT; a tile with more valid rows than
-// that (a hot expert) repeats the weight stream per pass.
+// that (a hot expert) repeats the weight stream per pass. Passes of 8 load
+// the next K block's activations while the current one converts. A block may
+// also stream a run of such row blocks in turn (decode_row_block_run): the
+// ring then runs on through each row block's reduction, whose partial sums
+// get their own shared memory.
 #pragma once
 
 #include <cuda_bf16.h>
