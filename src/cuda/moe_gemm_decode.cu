@@ -45,8 +45,8 @@ std::uint32_t launch_warps(std::uint32_t kblocks, std::uint64_t blocks, std::uin
   return decode_warps(kblocks, blocks, sm_count, rule);
 }
 
-// Row blocks per block (DecodeShapeRule::row_block_run, CSFMOE_DECODE_RUN
-// overrides), for launches whose blocks can run them: dense scales (the CSF
+// Row blocks per block (decode_row_block_run, CSFMOE_DECODE_RUN overrides),
+// for launches whose blocks can run them: dense scales (the CSF
 // exception records are staged per row block), passes of 8 tokens (the
 // partial sums need their own 8 KB per 8 warps), and warps of more than
 // kDecodeStages - 1 K blocks (the stream's first stages, issued before the
@@ -63,10 +63,10 @@ void decode_launch(const GemmParams& p, cudaStream_t stream) {
   const std::uint32_t per_block = GateUp ? kDecodeRows / 2 : kDecodeRows;
   const std::uint32_t row_blocks = (GateUp ? p.n : p.out_rows) / per_block;
   const std::uint32_t kblocks = p.k / kDecodeKBlock;
-  const std::uint32_t warps = launch_warps(kblocks, std::uint64_t(p.max_tiles) * row_blocks, p.sm_count);
+  const std::uint64_t blocks = std::uint64_t(p.max_tiles) * row_blocks;  // with one row block each
+  const std::uint32_t warps = launch_warps(kblocks, blocks, p.sm_count);
   GemmParams q = p;
-  q.row_block_run = launch_row_block_run(K != ScaleKind::csf && NT == 1, warps, kblocks,
-                                         std::uint64_t(p.max_tiles) * row_blocks, p.sm_count);
+  q.row_block_run = launch_row_block_run(K != ScaleKind::csf && NT == 1, warps, kblocks, blocks, p.sm_count);
   const DecodeSmem s = decode_smem(warps, NT, K == ScaleKind::csf, q.row_block_run > 1);
   launch_kernel("moe decode GEMM", p.chained, &moe_decode_kernel<F, K, GateUp, NT>,
                 dim3(p.max_tiles, (row_blocks + q.row_block_run - 1) / q.row_block_run), dim3(warps * 32),

@@ -113,8 +113,6 @@ struct CombineParams {
   std::uint16_t* out = nullptr;  // bf16 [T, H]
   std::uint32_t tokens = 0, topk = 0, hidden = 0, experts = 0;
   bool chained = false;  // programmatic dependent launch (launch.cuh)
-  // Decode kernel: row blocks each block streams in turn (set by its launcher).
-  std::uint32_t row_block_run = 1;
 };
 void launch_combine(IndexType id_type, const CombineParams& p, cudaStream_t stream);
 
