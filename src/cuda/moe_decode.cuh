@@ -294,9 +294,11 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
   const std::uint32_t rb_first = blockIdx.y * p.row_block_run;
   const std::uint32_t row_blocks = (GateUp ? p.n : p.out_rows) / kOutPerBlock;
   const int runs = run ? int(min(p.row_block_run, row_blocks - rb_first)) : 1;
-  // Weight row of block row r of the run's row block j (gate/up: rows 0..15 gate, 16..31 up).
+  // First output (gate/up: of each half) of the run's row block j, and the
+  // weight row of its block row r (gate/up: rows 0..15 gate, 16..31 up).
+  const auto first_output = [&](int j) { return (rb_first + std::uint32_t(j)) * kOutPerBlock; };
   const auto wrow = [&](int r, int j = 0) -> std::uint32_t {
-    const std::uint32_t n0 = (rb_first + std::uint32_t(j)) * kOutPerBlock;
+    const std::uint32_t n0 = first_output(j);
     if constexpr (GateUp)
       return r < kOutPerBlock ? p.gate_row0 + n0 + r : p.up_row0 + n0 + (r - kOutPerBlock);
     else
@@ -396,7 +398,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
       lane_rows(j, rows);
       lane_scales = LaneScales<F, K>(p.scales, scales_e, rows, t);
     }
-    const std::uint32_t n0 = (rb_first + std::uint32_t(j)) * kOutPerBlock;
+    const std::uint32_t n0 = first_output(j);
     for (int tok0 = 0; tok0 < valid; tok0 += 8 * NT) {
       const int left = valid - tok0;
       const int chunks = left >= 8 * NT ? NT : (left + 7) / 8;

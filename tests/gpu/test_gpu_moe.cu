@@ -384,12 +384,13 @@ TEST_F(GpuMoe, DecodeKernelOnAdversarialCodesAndScales) {
 }
 
 // Runs of row blocks (a decode block streaming several row blocks of its tile
-// in turn, the ring running through each row block's reduction): K of 8 and 4
-// blocks of 128 lets them apply; ctest runs this test again with
-// CSFMOE_DECODE_RUN = 2 and 3 (tests/CMakeLists.txt: partial last runs, and
-// tiles of several 8-token passes at T = 20 and 64). The native call then
-// streams runs and the stage-read call does not: check_all_modes holds them
-// to identical bits, and both to the CPU reference.
+// in turn, the ring running through each row block's reduction). The launch
+// rule gives this layer none; ctest runs the test again with
+// CSFMOE_DECODE_RUN = 2 and 3 (tests/CMakeLists.txt), which K of 8 and 4
+// blocks of 128 lets apply to the 8-token passes (T = 1, 7, 20: partial last
+// runs, and at T = 20 tiles of two passes; T = 64 takes passes of 16, no
+// runs). Then the native call streams runs and the stage-read call does not:
+// check_all_modes holds them to identical bits, and both to the CPU reference.
 TEST_F(GpuMoe, DecodeRowBlockRunsMatchReferenceAndStageRead) {
   CSFMOE_SEEDED(seed);
   std::mt19937_64 rng(seed);
