@@ -79,6 +79,15 @@
 #ifndef CSFMOE_DECODE_DIAG
 #define CSFMOE_DECODE_DIAG 0
 #endif
+// With CSFMOE_DECODE_DIAG=1, CSFMOE_DECODE_DIAG_LAYOUT picks which weight bytes
+// a warp's ring stage holds (the same bytes in all, in another order):
+// 0 the kernel's 32 rows x 64 B; 1 16 rows x 128 B, the two row halves of the
+// block interleaved by stage; 2 16 rows x 128 B, the block's first 16 rows
+// before its last; 3 8 rows x 256 B, row quarters in turn; 4 8 rows x 256 B
+// interleaved.
+#ifndef CSFMOE_DECODE_DIAG_LAYOUT
+#define CSFMOE_DECODE_DIAG_LAYOUT 0
+#endif
 
 namespace csfmoe::moe_detail {
 
@@ -334,9 +343,26 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
     if (issue_i < my_blocks && issue_j < runs) {
       const std::uint32_t kb = warp + std::uint32_t(issue_i) * warps;
       uint4* dst = my_ring + (issued & (kDecodeStages - 1)) * kDecodeStageVecs;
+#if CSFMOE_DECODE_DIAG == 1 && CSFMOE_DECODE_DIAG_LAYOUT != 0
+      {
+        constexpr int kParts = CSFMOE_DECODE_DIAG_LAYOUT <= 2 ? 2 : 4;  // row groups of 32 / kParts
+        constexpr bool kInterleaved = CSFMOE_DECODE_DIAG_LAYOUT == 1 || CSFMOE_DECODE_DIAG_LAYOUT == 4;
+        const std::uint32_t per_part = kblocks / kParts;  // stages per row group (diag shapes: divisible)
+        const std::uint32_t part = kInterleaved ? kb % kParts : kb / per_part;
+        const std::uint32_t kw = kInterleaved ? kb / kParts : kb % per_part;
+#pragma unroll
+        for (int c = 0; c < kDecodeChunksPerLane; ++c) {
+          const int r = int(part) * (32 / kParts) + g + (kParts == 2 ? 8 * (c % 2) : 0);
+          const int seg = kParts == 2 ? c / 2 : c;  // 64-byte segment of the stage's row span
+          cp_async16(dst + c * 32, w_e + std::uint64_t(wrow(r, issue_j)) * row_bytes +
+                                       std::uint64_t(kw) * 64 * kParts + seg * 64 + t * 16);
+        }
+      }
+#else
 #pragma unroll
       for (int c = 0; c < kDecodeChunksPerLane; ++c)
         cp_async16(dst + c * 32, src[c] + issue_offset + kb * 64);
+#endif
       auto* scale_dst = reinterpret_cast<std::uint32_t*>(dst + kDecodeChunksPerLane * 32);
 #pragma unroll
       for (int c = 0; c < kDecodeChunksPerLane; ++c) cp_async4(scale_dst + c, issue_scales.word(c, kb));
