@@ -79,12 +79,23 @@
 #ifndef CSFMOE_DECODE_DIAG
 #define CSFMOE_DECODE_DIAG 0
 #endif
+// Diagnostic builds may also ask for more resident blocks per SM, i.e. fewer
+// registers (CSFMOE_DECODE_MIN_BLOCKS, the launch-bounds minimum; 2 is the
+// kernel's), or drop the activation prefetch (CSFMOE_DECODE_ACT_PREFETCH=0).
+// Measured, both slower: bench/RESULTS.md "decode stream experiments".
+#ifndef CSFMOE_DECODE_MIN_BLOCKS
+#define CSFMOE_DECODE_MIN_BLOCKS 2
+#endif
+#ifndef CSFMOE_DECODE_ACT_PREFETCH
+#define CSFMOE_DECODE_ACT_PREFETCH 1
+#endif
 // With CSFMOE_DECODE_DIAG=1, CSFMOE_DECODE_DIAG_LAYOUT picks which weight bytes
 // a warp's ring stage holds (the same bytes in all, in another order):
 // 0 the kernel's 32 rows x 64 B; 1 16 rows x 128 B, the two row halves of the
 // block interleaved by stage; 2 16 rows x 128 B, the block's first 16 rows
 // before its last; 3 8 rows x 256 B, row quarters in turn; 4 8 rows x 256 B
-// interleaved.
+// interleaved. Layouts 3 and 4 need K blocks in multiples of 4 (DeepSeek-V3
+// and Kimi K2 shapes; scripts/gpu-diag-stream runs those only).
 #ifndef CSFMOE_DECODE_DIAG_LAYOUT
 #define CSFMOE_DECODE_DIAG_LAYOUT 0
 #endif
@@ -270,7 +281,8 @@ __device__ __forceinline__ void scale_pairs(const std::uint32_t (&u)[kWords], st
 }  // namespace decode
 
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
-__global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(GemmParams p) {
+__global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS)
+    moe_decode_kernel(GemmParams p) {
   using namespace decode;
   extern __shared__ __align__(16) unsigned char smem[];
 
@@ -462,7 +474,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
       // Passes of 8 tokens load the activations of the next K block while this
       // one converts (16 registers; wider passes would spill): the loads are L2
       // hits queued behind the weight stream, which the MMAs otherwise waited on.
-      constexpr bool kPrefetchActivations = NT == 1;
+      constexpr bool kPrefetchActivations = CSFMOE_DECODE_ACT_PREFETCH && NT == 1;
       uint4 x_next[NT][4];
       const auto load_activations = [&](int i) {
         const std::uint32_t kb = warp + std::uint32_t(i) * warps;
