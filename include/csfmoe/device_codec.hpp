@@ -118,6 +118,16 @@ struct ScratchSizes {
 };
 ScratchSizes scratch_sizes(const LayerScales& layer, ScaleLayout layout);
 
+// Launch shape of an expansion. blocks_per_sm = 0 (the default) fills every
+// SM with expansion blocks: fastest alone. A background expansion (the next
+// layer's scales on a side stream of lower priority, next to a running MoE
+// call) should use 1: its blocks then take a corner of each SM (256 threads,
+// 40 registers each) instead of holding whole SMs that the concurrent
+// kernel's blocks wait for (bench/RESULTS.md, "background scale expansion").
+struct ExpandLaunch {
+  std::uint32_t blocks_per_sm = 0;  // resident expansion blocks per SM at most; 0: as many as fit
+};
+
 // Expand-all for a layer. Returns false and does nothing when neither tensor
 // is CSF (the caller reads its native tensors). Otherwise expands each CSF
 // tensor into its scratch buffer (one fused launch when both are CSF of the
@@ -126,7 +136,7 @@ ScratchSizes scratch_sizes(const LayerScales& layer, ScaleLayout layout);
 // `layout` (else InvalidArgument). Asynchronous on `stream`; no allocation,
 // no host synchronization.
 bool expand_scales(const LayerScales& layer, const ScaleScratch& scratch, ScaleLayout layout,
-                   cudaStream_t stream);
+                   cudaStream_t stream, const ExpandLaunch& launch = {});
 
 // Expand-routed for a layer: like expand_scales but only the experts listed
 // in ids (see expand_routed). Capturable in a CUDA graph.

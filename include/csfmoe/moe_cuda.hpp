@@ -76,7 +76,9 @@ MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& weights,
 // Rebuild all experts' scales of a CSF layer into its scratch on `stream`
 // (no allocation, no host sync). A later call bound with scales_expanded =
 // true reads them; the caller orders reuse of a shared scratch with events.
-void expand_scales(const MoeWeights& weights, cudaStream_t stream);
+// For an expansion behind a running call (a side stream of lower priority)
+// pass ExpandLaunch{1} (csfmoe/device_codec.hpp).
+void expand_scales(const MoeWeights& weights, cudaStream_t stream, const ExpandLaunch& launch = {});
 
 struct MoeWorkspace {
   void* data = nullptr;  // device memory, 256-byte aligned

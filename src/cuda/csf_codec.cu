@@ -223,7 +223,7 @@ void check_ids(const RoutedIds& r, u32 experts, const char* who) {
 // One launch over one or two tensors of the same format, device and expert
 // count. Views are checked by the caller.
 void launch_expand(const CsfDeviceView* const* views, u8* const* dsts, u32 njobs, ScaleLayout layout,
-                   const RoutedIds* routed, cudaStream_t stream) {
+                   const RoutedIds* routed, cudaStream_t stream, const ExpandLaunch& launch = {}) {
   const CsfDeviceView& v0 = *views[0];
   gpu::ExpandParams p;
   p.njobs = njobs;
@@ -251,7 +251,11 @@ void launch_expand(const CsfDeviceView* const* views, u8* const* dsts, u32 njobs
   if (items == 0) return;
   DeviceGuard guard(v0.device);
   const ExpandFn fn = expand_fn(v0.geometry.shape.format, layout, routed != nullptr);
-  const int per_sm = blocks_per_sm(v0.device, reinterpret_cast<const void*>(fn), smem);
+  // Blocks loop over work items: the grid is the resident block count, or
+  // fewer for a background expansion (ExpandLaunch).
+  const int fit = blocks_per_sm(v0.device, reinterpret_cast<const void*>(fn), smem);
+  const int per_sm =
+      launch.blocks_per_sm != 0 && launch.blocks_per_sm < u32(fit) ? int(launch.blocks_per_sm) : fit;
   const u64 resident = u64{static_cast<u32>(device_info(v0.device).sms)} * static_cast<u32>(per_sm);
   const unsigned grid = static_cast<unsigned>(std::min<u64>(items, resident));
   fn<<<grid, gpu::kThreads, smem, stream>>>(p);
@@ -539,7 +543,8 @@ void check_ref(const ScaleTensorRef& t, const char* name, u8* scratch, u64 scrat
 }
 
 bool expand_layer(const LayerScales& layer, const ScaleScratch& scratch, ScaleLayout layout,
-                  const RoutedIds* routed, cudaStream_t stream, const char* who) {
+                  const RoutedIds* routed, cudaStream_t stream, const char* who,
+                  const ExpandLaunch& launch = {}) {
   if (!layer.any_csf()) return false;
   check_layout(layout, who);
   check_ref(layer.w13, "w13", scratch.w13, scratch.w13_bytes, layout, who);
@@ -555,9 +560,9 @@ bool expand_layer(const LayerScales& layer, const ScaleScratch& scratch, ScaleLa
                     views[0]->geometry.shape.format == views[1]->geometry.shape.format &&
                     views[0]->geometry.shape.experts == views[1]->geometry.shape.experts;
   if (fuse) {
-    launch_expand(views, dsts, 2, layout, routed, stream);
+    launch_expand(views, dsts, 2, layout, routed, stream, launch);
   } else {
-    for (u32 j = 0; j < n; ++j) launch_expand(&views[j], &dsts[j], 1, layout, routed, stream);
+    for (u32 j = 0; j < n; ++j) launch_expand(&views[j], &dsts[j], 1, layout, routed, stream, launch);
   }
   return true;
 }
@@ -570,8 +575,8 @@ ScratchSizes scratch_sizes(const LayerScales& layer, ScaleLayout layout) {
 }
 
 bool expand_scales(const LayerScales& layer, const ScaleScratch& scratch, ScaleLayout layout,
-                   cudaStream_t stream) {
-  return expand_layer(layer, scratch, layout, nullptr, stream, "CSF expand_scales");
+                   cudaStream_t stream, const ExpandLaunch& launch) {
+  return expand_layer(layer, scratch, layout, nullptr, stream, "CSF expand_scales", launch);
 }
 
 bool expand_scales_routed(const LayerScales& layer, const ScaleScratch& scratch, ScaleLayout layout,

@@ -166,7 +166,7 @@ MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const
   return out;
 }
 
-void expand_scales(const MoeWeights& w, cudaStream_t stream) {
+void expand_scales(const MoeWeights& w, cudaStream_t stream, const ExpandLaunch& launch) {
   if (w.plan().constraints.compression != ScaleCompression::csf)
     throw InvalidArgument("expand_scales: the layer keeps native scales (compression none)");
   if (!w.scratch()) throw InvalidArgument("expand_scales: the layer was prepared without a scale_scratch");
@@ -174,7 +174,7 @@ void expand_scales(const MoeWeights& w, cudaStream_t stream) {
   LayerScales layer;
   layer.w13 = ScaleTensorRef::of_csf(w.w13_csf());
   layer.w2 = ScaleTensorRef::of_csf(w.w2_csf());
-  (void)csfmoe::expand_scales(layer, *w.scratch(), ScaleLayout::row_major, stream);
+  (void)csfmoe::expand_scales(layer, *w.scratch(), ScaleLayout::row_major, stream, launch);
 }
 
 std::uint64_t moe_workspace_bytes(const MoePlan& plan, std::uint32_t max_tokens) {

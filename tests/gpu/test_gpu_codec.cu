@@ -582,6 +582,13 @@ TEST_F(GpuCodec, LayerExpandScales) {
       EXPECT_TRUE(expand_scales(csf, scratch, l, nullptr));
       EXPECT_EQ(mismatch(sc13.download(n13.size()), n13, "w13 scratch"), "");
       EXPECT_EQ(mismatch(sc2.download(n2.size()), n2, "w2 scratch"), "");
+      // A background expansion (one block per SM, each looping over many
+      // work items) writes the same bytes.
+      sc13.poison(0x5A);
+      sc2.poison(0x5A);
+      EXPECT_TRUE(expand_scales(csf, scratch, l, nullptr, ExpandLaunch{1}));
+      EXPECT_EQ(mismatch(sc13.download(n13.size()), n13, "w13 scratch, 1 block per SM"), "");
+      EXPECT_EQ(mismatch(sc2.download(n2.size()), n2, "w2 scratch, 1 block per SM"), "");
       const ScalePointers ptr = scale_pointers(csf, scratch);
       EXPECT_EQ(ptr.w13, sc13.get());
       EXPECT_EQ(ptr.w2, sc2.get());

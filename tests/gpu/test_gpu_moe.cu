@@ -624,7 +624,8 @@ TEST_F(GpuMoe, TwoLayersShareOneScratchExpandedOnASideStream) {
     ca.run(ba, 100);
     CUDA_OK(cudaEventRecord(a_done, main_s));
     CUDA_OK(cudaStreamWaitEvent(side, a_done));
-    expand_scales(wb, side);
+    // The background launch shape (one block per SM) on odd steps.
+    expand_scales(wb, side, ExpandLaunch{std::uint32_t(step % 2)});
     CUDA_OK(cudaEventRecord(b_ready, side));
     // Stand-in for the next layer's attention on the main stream.
     CUDA_OK(cudaMemsetAsync(ca.ws.p, 0, ca.ws.n, main_s));
