@@ -149,17 +149,17 @@ CSFMOE_HD std::uint32_t decode_warps(std::uint32_t kblocks, std::uint64_t blocks
 }
 
 // Row blocks a block streams in turn, where it can (decode_launch), for blocks
-// of `warps_per_block` warps of `kblocks_per_warp` K blocks and a launch of
-// `warps` warps in all. Measured on the H200 (docs/performance.md, v6): runs
-// of 2 help 8-warp blocks of few K blocks in a launch of several waves
-// (DeepSeek-V3 and Kimi K2 gate/up at T = 1: 90.0 -> 86.3 us per call); they
-// cost where warps already stream long (T = 8..64) and in 2-warp blocks of 8 K
-// blocks (Qwen3-30B-A3B T = 8: 77.2 -> 82.6 us), and runs of 4 or 8 cost
-// everywhere measured.
-CSFMOE_HD std::uint32_t decode_row_block_run(std::uint32_t warps_per_block, std::uint32_t kblocks_per_warp,
-                                             std::uint64_t warps, std::uint32_t sm_count) {
+// of `warps_per_block` warps and a launch of `warps` warps in all. Measured on
+// the H200 (bench/RESULTS.md, "runs of row blocks, fixed rule"): runs of 2
+// help the wide blocks of launches of several waves, i.e. DeepSeek-V3 and
+// Kimi K2 at T = 1 (9 routing tiles: gate/up 4 warps x 14 K blocks, 2.2 waves;
+// down 4 warps x 4 K blocks, 3.8 waves): 90.0 -> 84.1 us per call. They cost
+// in 2-warp blocks (T >= 2; Qwen3-30B-A3B T = 8: 77.2 -> 82.6 us), in launches
+// under a wave (Qwen3-30B-A3B T = 1), and runs of 4 or 8 cost everywhere.
+CSFMOE_HD std::uint32_t decode_row_block_run(std::uint32_t warps_per_block, std::uint64_t warps,
+                                             std::uint32_t sm_count) {
   const std::uint64_t warp_slots = std::uint64_t(sm_count) * 2 * kDecodeMaxWarps;
-  return warps_per_block == kDecodeMaxWarps && kblocks_per_warp <= 8 && 2 * warps >= 3 * warp_slots ? 2 : 1;
+  return warps_per_block >= 4 && 2 * warps >= 3 * warp_slots ? 2 : 1;
 }
 
 // Shared memory of a decode block of `warps` warps and token passes of 8 *

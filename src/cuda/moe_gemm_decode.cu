@@ -55,7 +55,7 @@ std::uint32_t launch_row_block_run(bool can_run, std::uint32_t warps, std::uint3
                                    std::uint64_t blocks, std::uint32_t sm_count) {
   static const std::uint32_t fixed = env_choice("CSFMOE_DECODE_RUN", 1, 64);
   if (!can_run || kblocks < warps * kDecodeStages) return 1;
-  return fixed != 0 ? fixed : decode_row_block_run(warps, kblocks / warps, blocks * warps, sm_count);
+  return fixed != 0 ? fixed : decode_row_block_run(warps, blocks * warps, sm_count);
 }
 
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
