@@ -94,8 +94,9 @@
 // 0 the kernel's 32 rows x 64 B; 1 16 rows x 128 B, the two row halves of the
 // block interleaved by stage; 2 16 rows x 128 B, the block's first 16 rows
 // before its last; 3 8 rows x 256 B, row quarters in turn; 4 8 rows x 256 B
-// interleaved. Layouts 3 and 4 need K blocks in multiples of 4 (DeepSeek-V3
-// and Kimi K2 shapes; scripts/gpu-diag-stream runs those only).
+// interleaved. Layouts 1 and 2 need an even number of K blocks, 3 and 4 a
+// multiple of 4 (else they read past the block's rows): DeepSeek-V3 and Kimi
+// K2 shapes, the only ones scripts/gpu-diag-stream runs.
 #ifndef CSFMOE_DECODE_DIAG_LAYOUT
 #define CSFMOE_DECODE_DIAG_LAYOUT 0
 #endif
