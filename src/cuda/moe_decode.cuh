@@ -163,6 +163,26 @@ CSFMOE_HD std::uint32_t decode_row_block_run(std::uint32_t warps_per_block, std:
   return warps_per_block >= 4 && 2 * warps >= 3 * warp_slots ? 2 : 1;
 }
 
+// Whether a launch's blocks can stream runs of row blocks: the kernel allows
+// them (`can_run`: dense scales, as a CSF block stages its rows' exception
+// records once, and passes of 8 tokens, as the partial sums then need their
+// own 8 KB per 8 warps) and every warp holds at least kDecodeStages K blocks
+// (the stream's first stages, issued before the block knows its token passes,
+// stay inside the first pass).
+CSFMOE_HD bool decode_runs_possible(bool can_run, std::uint32_t warps_per_block, std::uint32_t kblocks) {
+  return can_run && kblocks >= warps_per_block * kDecodeStages;
+}
+
+// Row blocks per block of a launch of `blocks` blocks (one row block each) of
+// `warps_per_block` warps over `kblocks` K blocks.
+CSFMOE_HD std::uint32_t decode_launch_row_block_run(bool can_run, std::uint32_t warps_per_block,
+                                                    std::uint32_t kblocks, std::uint64_t blocks,
+                                                    std::uint32_t sm_count) {
+  return decode_runs_possible(can_run, warps_per_block, kblocks)
+             ? decode_row_block_run(warps_per_block, blocks * warps_per_block, sm_count)
+             : 1;
+}
+
 // Shared memory of a decode block of `warps` warps and token passes of 8 *
 // nt; CSF blocks also stage their exception records (BlockExceptions). A
 // block streaming a run of row blocks keeps its rings running through each

@@ -45,17 +45,13 @@ std::uint32_t launch_warps(std::uint32_t kblocks, std::uint64_t blocks, std::uin
   return decode_warps(kblocks, blocks, sm_count, rule);
 }
 
-// Row blocks per block (decode_row_block_run, CSFMOE_DECODE_RUN overrides),
-// for launches whose blocks can run them: dense scales (the CSF
-// exception records are staged per row block), passes of 8 tokens (the
-// partial sums need their own 8 KB per 8 warps), and warps of more than
-// kDecodeStages - 1 K blocks (the stream's first stages, issued before the
-// block knows its token passes, stay inside the first pass).
+// Row blocks per block: decode_launch_row_block_run, or CSFMOE_DECODE_RUN
+// where runs are possible.
 std::uint32_t launch_row_block_run(bool can_run, std::uint32_t warps, std::uint32_t kblocks,
                                    std::uint64_t blocks, std::uint32_t sm_count) {
   static const std::uint32_t fixed = env_choice("CSFMOE_DECODE_RUN", 1, 64);
-  if (!can_run || kblocks < warps * kDecodeStages) return 1;
-  return fixed != 0 ? fixed : decode_row_block_run(warps, blocks * warps, sm_count);
+  if (fixed != 0) return decode_runs_possible(can_run, warps, kblocks) ? fixed : 1;
+  return decode_launch_row_block_run(can_run, warps, kblocks, blocks, sm_count);
 }
 
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>

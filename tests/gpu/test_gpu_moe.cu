@@ -10,11 +10,13 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "csfmoe/errors.hpp"
 #include "csfmoe/moe.hpp"
 #include "csfmoe/moe_cuda.hpp"
+#include "cuda/moe_decode.cuh"
 #include "test_seed.hpp"
 
 namespace csfmoe {
@@ -294,6 +296,48 @@ void check_all_modes(const Layer& l, const Inputs& in, Call& call, const std::st
 bool small_run() {
   const char* v = std::getenv("CSFMOE_GPU_TEST_SMALL");
   return v != nullptr && *v != '\0' && *v != '0';
+}
+
+// The decode kernel's launch shapes for the model layers, as measured best on
+// the H200 (bench/RESULTS.md: "decode kernel v4" for the warps, "runs of row
+// blocks, fixed rule" for the runs): warps per block and row blocks per block
+// of the gate/up and down launches, from the same host functions
+// decode_launch uses. Host arithmetic only: runs without a GPU. (The v6 run
+// rule asked for 8-warp blocks at T = 1, which the 9-tile grids there never
+// have; this test pins what the launches actually get.)
+TEST(DecodeLaunchShape, ModelLayersGetTheMeasuredWarpsAndRuns) {
+  using namespace csfmoe::moe_detail;
+  struct Case {
+    const char* layer;
+    std::uint32_t hidden, intermediate, experts, tokens;
+    std::uint32_t gate_up_warps, gate_up_run, down_warps, down_run;
+  };
+  constexpr std::uint32_t kTopk = 8, kH200Sms = 132;
+  const Case cases[] = {
+      {"DeepSeek-V3", 7168, 2048, 256, 1, 4, 2, 4, 2},  {"DeepSeek-V3", 7168, 2048, 256, 8, 2, 1, 1, 1},
+      {"DeepSeek-V3", 7168, 2048, 256, 64, 2, 1, 1, 1}, {"Kimi K2", 7168, 2048, 384, 1, 4, 2, 4, 2},
+      {"Kimi K2", 7168, 2048, 384, 8, 2, 1, 1, 1},      {"Qwen3-30B-A3B", 2048, 768, 128, 1, 4, 1, 2, 1},
+      {"Qwen3-30B-A3B", 2048, 768, 128, 8, 2, 1, 2, 1}, {"Qwen3-30B-A3B", 2048, 768, 128, 64, 1, 1, 1, 1},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(c.layer) + " T = " + std::to_string(c.tokens));
+    const std::uint64_t tiles = max_tiles(std::uint64_t(c.tokens) * kTopk, c.experts);
+    const auto shape = [&](std::uint32_t k, std::uint32_t row_blocks) {
+      const std::uint32_t kblocks = k / kDecodeKBlock;
+      const std::uint64_t blocks = tiles * row_blocks;
+      const std::uint32_t warps = decode_warps(kblocks, blocks, kH200Sms);
+      return std::pair(warps, decode_launch_row_block_run(true, warps, kblocks, blocks, kH200Sms));
+    };
+    const auto gate_up = shape(c.hidden, c.intermediate / (kDecodeRows / 2));
+    const auto down = shape(c.intermediate, c.hidden / kDecodeRows);
+    EXPECT_EQ(gate_up.first, c.gate_up_warps);
+    EXPECT_EQ(gate_up.second, c.gate_up_run);
+    EXPECT_EQ(down.first, c.down_warps);
+    EXPECT_EQ(down.second, c.down_run);
+    // CSF scales and wider token passes never run row blocks.
+    EXPECT_EQ(decode_launch_row_block_run(false, gate_up.first, c.hidden / kDecodeKBlock, tiles, kH200Sms),
+              1u);
+  }
 }
 
 class GpuMoe : public ::testing::Test {
