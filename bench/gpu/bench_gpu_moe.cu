@@ -390,9 +390,8 @@ int main(int argc, char** argv) {
   const double bw = copy_bandwidth(tm);
   cublasHandle_t blas;
   ckb(cublasCreate(&blas), "cublasCreate");
-  cudaStream_t st, side;
+  cudaStream_t st;
   ck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
-  ck(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "stream");
   double dense_rate = 0;
   float dense_us = 0;
   {
@@ -630,20 +629,21 @@ int main(int argc, char** argv) {
       ck(cudaStreamCreateWithPriority(&lo, cudaStreamNonBlocking, least), "stream");
       cudaEvent_t done;
       ck(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "event");
+      // work: the concurrent work, enqueued on hi.
       const auto overlap = [&](const std::string& against, std::uint32_t T,
-                               const std::function<void(cudaStream_t)>& work) {
+                               const std::function<void()>& work) {
         for (const std::uint32_t per_sm : {0u, 1u}) {  // ExpandLaunch: every SM full, or background
           const ExpandLaunch launch{per_sm};
           std::vector<float> alone, expand, both;
           for (int i = 0; i < 12; ++i) {
-            const float a = tm.time_us(hi, [&] { work(hi); });
+            const float a = tm.time_us(hi, [&] { work(); });
             const float e = tm.time_us(lo, [&] { expand_scales(*layer.wc, lo, launch); });
             const float b = tm.time_us(hi, [&] {
               // lo joins the timed region through the start event, hi waits for it at the end.
               ck(cudaStreamWaitEvent(lo, tm.a), "wait");
               expand_scales(*layer.wc, lo, launch);
               ck(cudaEventRecord(done, lo), "record");
-              work(hi);
+              work();
               ck(cudaStreamWaitEvent(hi, done), "wait");
             });
             if (i >= 2) {
@@ -670,7 +670,7 @@ int main(int argc, char** argv) {
       };
       {
         DenseGemm dg(blas, 8192);
-        overlap("dense BF16 GEMM 8192^3", 0, [&](cudaStream_t s) { dg.run(s); });
+        overlap("dense BF16 GEMM 8192^3", 0, [&] { dg.run(hi); });
       }
       // The layer call: native weights, the kernel bind() picks, routing drawn once.
       const std::uint32_t T = max_t;
@@ -682,12 +682,10 @@ int main(int argc, char** argv) {
       for (auto& v : h) v = float_to_bf16(x(rng));
       ck(cudaMemcpy(hid, h.data(), h.size() * 2, cudaMemcpyHostToDevice), "hidden");
       const BoundMoe b = bind(*layer.wn, hi, max_t, {ws, ws_bytes}, false);
-      // bind() fixed the stream: the call runs on hi.
+      // b is bound to hi: the call runs there.
       overlap("the " + shape.name + " layer call, T = " + std::to_string(T) + " (" +
                   std::string(to_string(b.kernel_for(T))) + " kernel)",
-              T, [&](cudaStream_t) {
-                run(b, hid, T, ids, IndexType::int64, static_cast<const float*>(wts), out);
-              });
+              T, [&] { run(b, hid, T, ids, IndexType::int64, static_cast<const float*>(wts), out); });
       ck(cudaEventDestroy(done), "event");
       ck(cudaStreamDestroy(hi), "stream");
       ck(cudaStreamDestroy(lo), "stream");

@@ -149,20 +149,6 @@ CSFMOE_HD std::uint32_t decode_warps(std::uint32_t kblocks, std::uint64_t blocks
   return w;
 }
 
-// Row blocks a block streams in turn, where it can (decode_launch), for blocks
-// of `warps_per_block` warps and a launch of `warps` warps in all. Measured on
-// the H200 (bench/RESULTS.md, "runs of row blocks, fixed rule"): runs of 2
-// help the wide blocks of launches of several waves, i.e. DeepSeek-V3 and
-// Kimi K2 at T = 1 (9 routing tiles: gate/up 4 warps x 14 K blocks, 2.2 waves;
-// down 4 warps x 4 K blocks, 3.8 waves): 90.0 -> 84.1 us per call. They cost
-// in 2-warp blocks (T >= 2; Qwen3-30B-A3B T = 8: 77.2 -> 82.6 us), in launches
-// under a wave (Qwen3-30B-A3B T = 1), and runs of 4 or 8 cost everywhere.
-CSFMOE_HD std::uint32_t decode_row_block_run(std::uint32_t warps_per_block, std::uint64_t warps,
-                                             std::uint32_t sm_count) {
-  const std::uint64_t warp_slots = std::uint64_t(sm_count) * 2 * kDecodeMaxWarps;
-  return warps_per_block >= 4 && 2 * warps >= 3 * warp_slots ? 2 : 1;
-}
-
 // Whether a launch's blocks can stream runs of row blocks: the kernel allows
 // them (`can_run`: dense scales, as a CSF block stages its rows' exception
 // records once, and passes of 8 tokens, as the partial sums then need their
@@ -173,14 +159,21 @@ CSFMOE_HD bool decode_runs_possible(bool can_run, std::uint32_t warps_per_block,
   return can_run && kblocks >= warps_per_block * kDecodeStages;
 }
 
-// Row blocks per block of a launch of `blocks` blocks (one row block each) of
-// `warps_per_block` warps over `kblocks` K blocks.
-CSFMOE_HD std::uint32_t decode_launch_row_block_run(bool can_run, std::uint32_t warps_per_block,
-                                                    std::uint32_t kblocks, std::uint64_t blocks,
-                                                    std::uint32_t sm_count) {
-  return decode_runs_possible(can_run, warps_per_block, kblocks)
-             ? decode_row_block_run(warps_per_block, blocks * warps_per_block, sm_count)
-             : 1;
+// Row blocks a block streams in turn (decode_launch), for a launch of
+// `blocks` blocks (one row block each) of `warps_per_block` warps over
+// `kblocks` K blocks. Measured on the H200 (bench/RESULTS.md, "runs of row
+// blocks, fixed rule"): runs of 2 help the wide blocks of launches of several
+// waves, i.e. DeepSeek-V3 and Kimi K2 at T = 1 (9 routing tiles: gate/up 4
+// warps x 14 K blocks, 2.2 waves; down 4 warps x 4 K blocks, 3.8 waves): 90.0
+// -> 84.1 us per call. They cost in 2-warp blocks (T >= 2; Qwen3-30B-A3B T = 8:
+// 77.2 -> 82.6 us), in launches under a wave (Qwen3-30B-A3B T = 1), and runs
+// of 4 or 8 cost everywhere.
+CSFMOE_HD std::uint32_t decode_row_block_run(bool can_run, std::uint32_t warps_per_block,
+                                             std::uint32_t kblocks, std::uint64_t blocks,
+                                             std::uint32_t sm_count) {
+  if (!decode_runs_possible(can_run, warps_per_block, kblocks)) return 1;
+  const std::uint64_t warp_slots = std::uint64_t(sm_count) * 2 * kDecodeMaxWarps;
+  return warps_per_block >= 4 && 2 * blocks * warps_per_block >= 3 * warp_slots ? 2 : 1;
 }
 
 // Shared memory of a decode block of `warps` warps and token passes of 8 *

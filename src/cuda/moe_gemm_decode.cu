@@ -45,13 +45,13 @@ std::uint32_t launch_warps(std::uint32_t kblocks, std::uint64_t blocks, std::uin
   return decode_warps(kblocks, blocks, sm_count, rule);
 }
 
-// Row blocks per block: decode_launch_row_block_run, or CSFMOE_DECODE_RUN
+// Row blocks per block: decode_row_block_run, or CSFMOE_DECODE_RUN
 // where runs are possible.
 std::uint32_t launch_row_block_run(bool can_run, std::uint32_t warps, std::uint32_t kblocks,
                                    std::uint64_t blocks, std::uint32_t sm_count) {
   static const std::uint32_t fixed = env_choice("CSFMOE_DECODE_RUN", 1, 64);
   if (fixed != 0) return decode_runs_possible(can_run, warps, kblocks) ? fixed : 1;
-  return decode_launch_row_block_run(can_run, warps, kblocks, blocks, sm_count);
+  return decode_row_block_run(can_run, warps, kblocks, blocks, sm_count);
 }
 
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>

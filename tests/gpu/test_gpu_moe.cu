@@ -326,7 +326,7 @@ TEST(DecodeLaunchShape, ModelLayersGetTheMeasuredWarpsAndRuns) {
       const std::uint32_t kblocks = k / kDecodeKBlock;
       const std::uint64_t blocks = tiles * row_blocks;
       const std::uint32_t warps = decode_warps(kblocks, blocks, kH200Sms);
-      return std::pair(warps, decode_launch_row_block_run(true, warps, kblocks, blocks, kH200Sms));
+      return std::pair(warps, decode_row_block_run(true, warps, kblocks, blocks, kH200Sms));
     };
     const auto gate_up = shape(c.hidden, c.intermediate / (kDecodeRows / 2));
     const auto down = shape(c.intermediate, c.hidden / kDecodeRows);
@@ -335,8 +335,7 @@ TEST(DecodeLaunchShape, ModelLayersGetTheMeasuredWarpsAndRuns) {
     EXPECT_EQ(down.first, c.down_warps);
     EXPECT_EQ(down.second, c.down_run);
     // CSF scales and wider token passes never run row blocks.
-    EXPECT_EQ(decode_launch_row_block_run(false, gate_up.first, c.hidden / kDecodeKBlock, tiles, kH200Sms),
-              1u);
+    EXPECT_EQ(decode_row_block_run(false, gate_up.first, c.hidden / kDecodeKBlock, tiles, kH200Sms), 1u);
   }
 }
 
