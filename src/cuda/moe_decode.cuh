@@ -14,10 +14,14 @@
 //    The activations (N operand) are read in the same order, so the product
 //    is unchanged. No shuffles, no weight pre-layout: the checkpoint's packed
 //    rows are read as they are.
-//  * Private cp.async rings. Each lane copies its own 16-byte chunks into a
-//    per-warp shared-memory ring kStages deep and reads back only what it
-//    copied itself, so no barrier is needed in the main loop and kStages
-//    K blocks per warp are always in flight.
+//  * Per-warp cp.async rings, kDecodeStages K blocks deep, so that several
+//    K blocks per warp are always in flight without block barriers. Where a
+//    warp's K blocks come in pairs (decode_copy_kblocks), it copies two
+//    adjacent K blocks at once, each copy instruction covering 4 rows x 128
+//    contiguous bytes, and a __syncwarp hands each lane the chunks the others
+//    copied for it: 128 contiguous bytes of a row per request rather than 64
+//    feed DRAM better (bench/RESULTS.md, "paired ring copies"). Otherwise
+//    each lane copies and reads back only its own chunks, with no barrier.
 //  * E2M1 -> BF16 with bit operations (src/cuda/moe_decode_bits.cuh). Nibble
 //    j and j+4 of a 32-bit word sit at the same offset of the two 16-bit
 //    halves, so one mask, one integer multiply (two non-overlapping copies of
@@ -49,9 +53,8 @@
 //    loop; that start-up was 38 % of the warp samples at T = 1.)
 //  * K split across warps. The W warps of a block (W from decode_warps: the
 //    launch size, not the scale mode) share its 32 weight rows and take K
-//    blocks warp, warp + W, ...; partial sums meet in shared memory in a
-//    fixed order (deterministic) before the epilogue (SiLU(gate) * up or the
-//    per-slot down rows).
+//    blocks warp, warp + W, ... (in pairs: pairs warp, warp + W, ...); partial sums meet in shared memory in
+//    a fixed order (deterministic) before the epilogue (SiLU(gate) * up or the per-slot down rows).
 //
 // A block serves one routing tile (kTileM sorted rows of one expert) and 32
 // weight rows: 16 gate + 16 up rows (16 outputs) for gate/up, 32 output rows
@@ -88,17 +91,6 @@
 #endif
 #ifndef CSFMOE_DECODE_ACT_PREFETCH
 #define CSFMOE_DECODE_ACT_PREFETCH 1
-#endif
-// With CSFMOE_DECODE_DIAG=1, CSFMOE_DECODE_DIAG_LAYOUT picks which weight bytes
-// a warp's ring stage holds (the same bytes in all, in another order):
-// 0 the kernel's 32 rows x 64 B; 1 16 rows x 128 B, the two row halves of the
-// block interleaved by stage; 2 16 rows x 128 B, the block's first 16 rows
-// before its last; 3 8 rows x 256 B, row quarters in turn; 4 8 rows x 256 B
-// interleaved. Layouts 1 and 2 need an even number of K blocks, 3 and 4 a
-// multiple of 4 (else they read past the block's rows): DeepSeek-V3 and Kimi
-// K2 shapes, the only ones scripts/gpu-diag-stream runs.
-#ifndef CSFMOE_DECODE_DIAG_LAYOUT
-#define CSFMOE_DECODE_DIAG_LAYOUT 0
 #endif
 
 namespace csfmoe::moe_detail {
@@ -174,6 +166,14 @@ CSFMOE_HD std::uint32_t decode_row_block_run(bool can_run, std::uint32_t warps_p
   if (!decode_runs_possible(can_run, warps_per_block, kblocks)) return 1;
   const std::uint64_t warp_slots = std::uint64_t(sm_count) * 2 * kDecodeMaxWarps;
   return warps_per_block >= 4 && 2 * blocks * warps_per_block >= 3 * warp_slots ? 2 : 1;
+}
+
+// K blocks a decode warp copies into its ring at once: 2 (one request per 4
+// rows x 128 contiguous bytes) where the block's warps get whole pairs of K
+// blocks, the same number each, else 1. Measured on the H200: bench/RESULTS.md,
+// "paired ring copies".
+CSFMOE_HD std::uint32_t decode_copy_kblocks(std::uint32_t warps_per_block, std::uint32_t kblocks) {
+  return kblocks % (2 * warps_per_block) == 0 ? 2 : 1;
 }
 
 // Shared memory of a decode block of `warps` warps and token passes of 8 *
@@ -294,9 +294,10 @@ __device__ __forceinline__ void scale_pairs(const std::uint32_t (&u)[kWords], st
 
 }  // namespace decode
 
-template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
+template <ScaleFormat F, ScaleKind K, bool GateUp, int NT, int Copy>
 __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS)
     moe_decode_kernel(GemmParams p) {
+  static_assert(Copy == 1 || Copy == 2, "K blocks per ring copy: decode_copy_kblocks");
   using namespace decode;
   extern __shared__ __align__(16) unsigned char smem[];
 
@@ -340,7 +341,15 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
       return n0 + r;
   };
   const std::uint32_t kblocks = p.k / kDecodeKBlock;
-  const int my_blocks = warp < int(kblocks) ? (int(kblocks) - 1 - warp) / warps + 1 : 0;
+  // The warp's K blocks come in copy units of Copy adjacent K blocks (1, or
+  // 2: decode_copy_kblocks, which makes them divide evenly): units warp,
+  // warp + W, ...; its i-th K block is kblock_of(i).
+  const std::uint32_t units = kblocks / Copy;
+  const int my_units = warp < int(units) ? (int(units) - 1 - warp) / warps + 1 : 0;
+  const int my_blocks = my_units * Copy;
+  const auto kblock_of = [&](int i) -> std::uint32_t {
+    return (warp + std::uint32_t(i / Copy) * warps) * Copy + std::uint32_t(i % Copy);
+  };
   const std::uint64_t row_bytes = p.k / 2;
   const std::uint8_t* w_e = p.w + std::uint64_t(e) * p.out_rows * row_bytes;
   const auto lane_rows = [&](int j, std::uint32_t(&rows)[kDecodeChunksPerLane]) {
@@ -349,51 +358,63 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
   };
   std::uint32_t rows[kDecodeChunksPerLane];  // the lane's weight rows in the run's first row block
   lane_rows(0, rows);
-  const std::uint8_t* src[kDecodeChunksPerLane];
-#pragma unroll
-  for (int c = 0; c < kDecodeChunksPerLane; ++c) src[c] = w_e + std::uint64_t(rows[c]) * row_bytes + t * 16;
+  // What the lane copies: copy instruction c covers block rows 8c + lane / 4
+  // (single K blocks: 64 bytes of 8 rows, the lane's own chunk c) or
+  // 4c + lane / 8 (pairs: 128 bytes of 4 rows, the chunk c / 2 of lane
+  // (4 (c % 2) + lane / 8, lane % 4) in the pair's first or second slot).
+  // Both halves of the block (gate/up: gate rows, then up rows) step by
+  // copy_row_step within; the source of copy c is copy_src[c / (2 Copy)] +
+  // (c % (2 Copy)) copy_row_step.
+  const int pair_row = lane / 8, pair_piece = lane % 8;
+  const std::uint32_t copy_row0 = Copy == 2 ? std::uint32_t(pair_row) : std::uint32_t(g);
+  const std::uint32_t copy_col = Copy == 2 ? 16u * pair_piece : 16u * t;
+  const std::uint8_t* copy_src[2] = {w_e + std::uint64_t(wrow(copy_row0)) * row_bytes + copy_col,
+                                     w_e + std::uint64_t(wrow(16 + copy_row0)) * row_bytes + copy_col};
+  const std::uint64_t copy_row_step = (Copy == 2 ? 4 : 8) * row_bytes;
   const std::uint8_t* scales_e = expert_scales<K>(p.scales, e);
   // Two readers of the lane's scale words: the issuing side's (addresses) and
   // the converting side's (byte selectors), each at its own row block.
   LaneScales<F, K> lane_scales(p.scales, scales_e, rows, t), issue_scales = lane_scales;
   uint4* my_ring = ring + std::size_t(warp) * kDecodeStages * kDecodeStageVecs + lane;
-  // The warp's stream: per row block j of the run, per token pass, its K
-  // blocks. The issuing cursor runs kDecodeStages - 1 positions ahead of the
-  // converting one; in a run it crosses into the next pass or row block (the
-  // ring keeps running through the reductions), otherwise it stops at the
-  // pass's end (the partial sums overlay the ring) and restarts with the next.
+  // Where the lane's pair copies land, relative to the unit's first slot.
+  uint4* const pair_dst =
+      my_ring - lane + (pair_piece / 4) * kDecodeStageVecs + 4 * pair_row + pair_piece % 4;
+  // The warp's stream: per row block j of the run, per token pass, its copy
+  // units. The issuing cursor runs `ahead` units ahead of the converting one
+  // (the ring holds kDecodeStages K blocks); in a run it crosses into the next
+  // pass or row block (the ring keeps running through the reductions),
+  // otherwise it stops at the pass's end (the partial sums overlay the ring)
+  // and restarts with the next.
+  constexpr int ahead = kDecodeStages / Copy - 1;
   int issue_i = 0, issue_pass = 0, issue_j = 0, passes = 1;  // passes: known once the rows are read
-  std::uint32_t issued = 0, consumed = 0;                    // ring positions
+  std::uint32_t issued = 0, consumed = 0;                    // ring positions (K blocks)
   std::uint64_t issue_offset = 0;                            // weight bytes of row block issue_j
   const auto issue = [&]() {
-    if (issue_i < my_blocks && issue_j < runs) {
-      const std::uint32_t kb = warp + std::uint32_t(issue_i) * warps;
-      uint4* dst = my_ring + (issued & (kDecodeStages - 1)) * kDecodeStageVecs;
-#if CSFMOE_DECODE_DIAG == 1 && CSFMOE_DECODE_DIAG_LAYOUT != 0
-      {
-        constexpr int kParts = CSFMOE_DECODE_DIAG_LAYOUT <= 2 ? 2 : 4;  // row groups of 32 / kParts
-        constexpr bool kInterleaved = CSFMOE_DECODE_DIAG_LAYOUT == 1 || CSFMOE_DECODE_DIAG_LAYOUT == 4;
-        const std::uint32_t per_part = kblocks / kParts;  // stages per row group (diag shapes: divisible)
-        const std::uint32_t part = kInterleaved ? kb % kParts : kb / per_part;
-        const std::uint32_t kw = kInterleaved ? kb / kParts : kb % per_part;
+    if (issue_i < my_units && issue_j < runs) {
+      const std::uint32_t unit = warp + std::uint32_t(issue_i) * warps;
+      const std::uint32_t slot = issued & (kDecodeStages - 1);
+      const std::uint64_t offset = issue_offset + std::uint64_t(unit) * Copy * 64;
+      const std::uint8_t* half[2] = {copy_src[0] + offset, copy_src[1] + offset};
+      if constexpr (Copy == 2) {
+        uint4* dst = pair_dst + slot * kDecodeStageVecs;
 #pragma unroll
-        for (int c = 0; c < kDecodeChunksPerLane; ++c) {
-          const int r = int(part) * (32 / kParts) + g + (kParts == 2 ? 8 * (c % 2) : 0);
-          const int seg = kParts == 2 ? c / 2 : c;  // 64-byte segment of the stage's row span
-          cp_async16(dst + c * 32, w_e + std::uint64_t(wrow(r, issue_j)) * row_bytes +
-                                       std::uint64_t(kw) * 64 * kParts + seg * 64 + t * 16);
-        }
+        for (int c = 0; c < 8; ++c) cp_async16(dst + 16 * c, half[c / 4] + (c % 4) * copy_row_step);
+      } else {
+        uint4* dst = my_ring + slot * kDecodeStageVecs;
+#pragma unroll
+        for (int c = 0; c < kDecodeChunksPerLane; ++c)
+          cp_async16(dst + 32 * c, half[c / 2] + (c % 2) * copy_row_step);
       }
-#else
 #pragma unroll
-      for (int c = 0; c < kDecodeChunksPerLane; ++c)
-        cp_async16(dst + c * 32, src[c] + issue_offset + kb * 64);
-#endif
-      auto* scale_dst = reinterpret_cast<std::uint32_t*>(dst + kDecodeChunksPerLane * 32);
+      for (int b = 0; b < Copy; ++b) {
+        auto* scale_dst = reinterpret_cast<std::uint32_t*>(my_ring + (slot + b) * kDecodeStageVecs +
+                                                           kDecodeChunksPerLane * 32);
 #pragma unroll
-      for (int c = 0; c < kDecodeChunksPerLane; ++c) cp_async4(scale_dst + c, issue_scales.word(c, kb));
-      ++issued;
-      if (++issue_i == my_blocks && run) {
+        for (int c = 0; c < kDecodeChunksPerLane; ++c)
+          cp_async4(scale_dst + c, issue_scales.word(c, unit * Copy + b));
+      }
+      issued += Copy;
+      if (++issue_i == my_units && run) {
         issue_i = 0;
         if (++issue_pass == passes) {
           issue_pass = 0;
@@ -409,9 +430,9 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
     cp_async_commit();  // empty groups keep the wait counts uniform
   };
   // The weight stream starts before anything else is read (inside the first
-  // pass of the first row block: a run's warps hold more than kDecodeStages - 1
-  // K blocks, so the cursor does not roll over before `passes` is known).
-  for (int s = 0; s < kDecodeStages - 1; ++s) issue();
+  // pass of the first row block: a run's warps hold at least kDecodeStages K
+  // blocks, so the cursor does not roll over before `passes` is known).
+  for (int s = 0; s < ahead; ++s) issue();
 
   if constexpr (kCsf)
     block_exceptions->load_prefix(p.scales, e, wrow(0), wrow(16), kblocks, tid, int(blockDim.x));
@@ -469,7 +490,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
       if (tok0 > 0 && !run) {
         __syncthreads();  // the previous pass's partial sums overlaid the rings
         issue_i = 0;
-        for (int s = 0; s < kDecodeStages - 1; ++s) issue();
+        for (int s = 0; s < ahead; ++s) issue();
       }
       // Staged records need no state; the cursors restart with each pass.
       LaneExceptions<F> exceptions;
@@ -491,7 +512,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
       constexpr bool kPrefetchActivations = CSFMOE_DECODE_ACT_PREFETCH && NT == 1;
       uint4 x_next[NT][4];
       const auto load_activations = [&](int i) {
-        const std::uint32_t kb = warp + std::uint32_t(i) * warps;
+        const std::uint32_t kb = kblock_of(i);
 #pragma unroll
         for (int n = 0; n < NT; ++n)
           if (live(n))
@@ -511,8 +532,18 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
             for (int w = 0; w < 4; ++w) x[n][w] = x_next[n][w];
           if (i + 1 < my_blocks) load_activations(i + 1);
         }
-        issue();
-        cp_async_wait<kDecodeStages - 1>();
+        // Pairs: the lanes' copies of the unit's slots meet at the second
+        // __syncwarp; the first keeps the new copies off slots that other lanes
+        // may still be reading.
+        if constexpr (Copy == 1) {
+          issue();
+          cp_async_wait<ahead>();
+        } else if (i % Copy == 0) {
+          __syncwarp();
+          issue();
+          cp_async_wait<ahead>();
+          __syncwarp();
+        }
         const uint4* stage = my_ring + (consumed++ & (kDecodeStages - 1)) * kDecodeStageVecs;
         uint4 wq[kDecodeChunksPerLane];
 #pragma unroll
@@ -524,7 +555,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
           continue;
         }
 #endif
-        const std::uint32_t kb = warp + std::uint32_t(i) * warps;
+        const std::uint32_t kb = kblock_of(i);
         // Scale pairs (s, s) per chunk and half of the lane's 32 values.
         std::uint32_t sp[kDecodeChunksPerLane][2];
         {

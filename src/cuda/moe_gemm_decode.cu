@@ -15,8 +15,10 @@ using DecodeFn = void (*)(const GemmParams&, cudaStream_t);
 // Tuning overrides, read once per process (docs/performance.md):
 // CSFMOE_DECODE_WARPS fixes the warps per block (1, 2, 4 or 8; fewer when K
 // has fewer K blocks); CSFMOE_DECODE_KB_PER_WARP, CSFMOE_DECODE_MIN_KB and
-// CSFMOE_DECODE_WAVES replace the fields of DecodeShapeRule. Values out of
-// range are ignored.
+// CSFMOE_DECODE_WAVES replace the fields of DecodeShapeRule;
+// CSFMOE_DECODE_RUN fixes the row-block runs where possible, and
+// CSFMOE_DECODE_COPY=1 turns paired ring copies off. Values out of range are
+// ignored.
 std::uint32_t env_choice(const char* name, std::uint32_t lo, std::uint32_t hi) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return 0;
@@ -54,6 +56,12 @@ std::uint32_t launch_row_block_run(bool can_run, std::uint32_t warps, std::uint3
   return decode_row_block_run(can_run, warps, kblocks, blocks, sm_count);
 }
 
+// K blocks per ring copy: decode_copy_kblocks, or 1 with CSFMOE_DECODE_COPY=1.
+std::uint32_t launch_copy_kblocks(std::uint32_t warps, std::uint32_t kblocks) {
+  static const bool singles = env_choice("CSFMOE_DECODE_COPY", 1, 2) == 1;
+  return singles ? 1 : decode_copy_kblocks(warps, kblocks);
+}
+
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
 void decode_launch(const GemmParams& p, cudaStream_t stream) {
   const std::uint32_t per_block = GateUp ? kDecodeRows / 2 : kDecodeRows;
@@ -64,14 +72,19 @@ void decode_launch(const GemmParams& p, cudaStream_t stream) {
   GemmParams q = p;
   q.row_block_run = launch_row_block_run(K != ScaleKind::csf && NT == 1, warps, kblocks, blocks, p.sm_count);
   const DecodeSmem s = decode_smem(warps, NT, K == ScaleKind::csf, q.row_block_run > 1);
-  launch_kernel("moe decode GEMM", p.chained, &moe_decode_kernel<F, K, GateUp, NT>,
+  launch_kernel("moe decode GEMM", p.chained,
+                launch_copy_kblocks(warps, kblocks) == 2 ? &moe_decode_kernel<F, K, GateUp, NT, 2>
+                                                         : &moe_decode_kernel<F, K, GateUp, NT, 1>,
                 dim3(p.max_tiles, (row_blocks + q.row_block_run - 1) / q.row_block_run), dim3(warps * 32),
                 s.total, stream, q);
 }
 
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
 cudaError_t decode_configure(std::uint32_t smem) {
-  return cudaFuncSetAttribute(&moe_decode_kernel<F, K, GateUp, NT>,
+  const cudaError_t singles = cudaFuncSetAttribute(&moe_decode_kernel<F, K, GateUp, NT, 1>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (singles != cudaSuccess) return singles;
+  return cudaFuncSetAttribute(&moe_decode_kernel<F, K, GateUp, NT, 2>,
                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
 }
 

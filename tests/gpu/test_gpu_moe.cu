@@ -307,17 +307,25 @@ bool small_run() {
 // have; this test pins what the launches actually get.)
 TEST(DecodeLaunchShape, ModelLayersGetTheMeasuredWarpsAndRuns) {
   using namespace csfmoe::moe_detail;
+  struct Shape {
+    std::uint32_t warps, run, copy;
+  };
   struct Case {
     const char* layer;
     std::uint32_t hidden, intermediate, experts, tokens;
-    std::uint32_t gate_up_warps, gate_up_run, down_warps, down_run;
+    Shape gate_up, down;
   };
   constexpr std::uint32_t kTopk = 8, kH200Sms = 132;
   const Case cases[] = {
-      {"DeepSeek-V3", 7168, 2048, 256, 1, 4, 2, 4, 2},  {"DeepSeek-V3", 7168, 2048, 256, 8, 2, 1, 1, 1},
-      {"DeepSeek-V3", 7168, 2048, 256, 64, 2, 1, 1, 1}, {"Kimi K2", 7168, 2048, 384, 1, 4, 2, 4, 2},
-      {"Kimi K2", 7168, 2048, 384, 8, 2, 1, 1, 1},      {"Qwen3-30B-A3B", 2048, 768, 128, 1, 4, 1, 2, 1},
-      {"Qwen3-30B-A3B", 2048, 768, 128, 8, 2, 1, 2, 1}, {"Qwen3-30B-A3B", 2048, 768, 128, 64, 1, 1, 1, 1},
+      {"DeepSeek-V3", 7168, 2048, 256, 1, {4, 2, 2}, {4, 2, 2}},
+      {"DeepSeek-V3", 7168, 2048, 256, 8, {2, 1, 2}, {1, 1, 2}},
+      {"DeepSeek-V3", 7168, 2048, 256, 64, {2, 1, 2}, {1, 1, 2}},
+      {"Kimi K2", 7168, 2048, 384, 1, {4, 2, 2}, {4, 2, 2}},
+      {"Kimi K2", 7168, 2048, 384, 8, {2, 1, 2}, {1, 1, 2}},
+      // K = 768 is 6 K blocks: 2 warps cannot take whole pairs evenly.
+      {"Qwen3-30B-A3B", 2048, 768, 128, 1, {4, 1, 2}, {2, 1, 1}},
+      {"Qwen3-30B-A3B", 2048, 768, 128, 8, {2, 1, 2}, {2, 1, 1}},
+      {"Qwen3-30B-A3B", 2048, 768, 128, 64, {1, 1, 2}, {1, 1, 2}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(std::string(c.layer) + " T = " + std::to_string(c.tokens));
@@ -326,17 +334,25 @@ TEST(DecodeLaunchShape, ModelLayersGetTheMeasuredWarpsAndRuns) {
       const std::uint32_t kblocks = k / kDecodeKBlock;
       const std::uint64_t blocks = tiles * row_blocks;
       const std::uint32_t warps = decode_warps(kblocks, blocks, kH200Sms);
-      return std::pair(warps, decode_row_block_run(true, warps, kblocks, blocks, kH200Sms));
+      return Shape{warps, decode_row_block_run(true, warps, kblocks, blocks, kH200Sms),
+                   decode_copy_kblocks(warps, kblocks)};
     };
-    const auto gate_up = shape(c.hidden, c.intermediate / (kDecodeRows / 2));
-    const auto down = shape(c.intermediate, c.hidden / kDecodeRows);
-    EXPECT_EQ(gate_up.first, c.gate_up_warps);
-    EXPECT_EQ(gate_up.second, c.gate_up_run);
-    EXPECT_EQ(down.first, c.down_warps);
-    EXPECT_EQ(down.second, c.down_run);
+    const auto expect = [](const Shape& got, const Shape& want, const char* gemm) {
+      SCOPED_TRACE(gemm);
+      EXPECT_EQ(got.warps, want.warps);
+      EXPECT_EQ(got.run, want.run);
+      EXPECT_EQ(got.copy, want.copy);
+    };
+    const Shape gate_up = shape(c.hidden, c.intermediate / (kDecodeRows / 2));
+    expect(gate_up, c.gate_up, "gate/up");
+    expect(shape(c.intermediate, c.hidden / kDecodeRows), c.down, "down");
     // CSF scales and wider token passes never run row blocks.
-    EXPECT_EQ(decode_row_block_run(false, gate_up.first, c.hidden / kDecodeKBlock, tiles, kH200Sms), 1u);
+    EXPECT_EQ(decode_row_block_run(false, gate_up.warps, c.hidden / kDecodeKBlock, tiles, kH200Sms), 1u);
   }
+  // Pairs need every warp to get the same number of whole pairs.
+  EXPECT_EQ(decode_copy_kblocks(1, 3), 1u);
+  EXPECT_EQ(decode_copy_kblocks(4, 12), 1u);
+  EXPECT_EQ(decode_copy_kblocks(4, 16), 2u);
 }
 
 class GpuMoe : public ::testing::Test {
