@@ -380,9 +380,8 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
   uint4* const pair_dst =
       my_ring - lane + (pair_piece / 4) * kDecodeStageVecs + 4 * pair_row + pair_piece % 4;
   // The warp's stream: per row block j of the run, per token pass, its copy
-  // units. The ring holds ahead + 1 units (kDecodeStages K blocks): the
-  // issuing cursor refills the unit the previous step consumed, so the
-  // converting side waits on the oldest of a full ring; in a run it crosses into the next
+  // units. The issuing cursor runs `ahead` units ahead of the converting one
+  // (the ring holds kDecodeStages K blocks); in a run it crosses into the next
   // pass or row block (the ring keeps running through the reductions),
   // otherwise it stops at the pass's end (the partial sums overlay the ring)
   // and restarts with the next.
@@ -447,11 +446,6 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
     valid += __syncthreads_count(slot >= 0);
   }
   passes = (valid + 8 * NT - 1) / (8 * NT);
-  // The ring's last unit, issued once `passes` is known (a run's cursor may
-  // roll over with it): the whole ring is in flight while a CSF block stages
-  // its exception records, and the loop's first step issues nothing (fresh).
-  issue();
-  bool fresh = true;
   const float global_scale = p.global ? p.global[e] : 1.0f;
   bool exceptions_staged = false;  // block-uniform: bucketed in shared memory (else LaneExceptions)
   if constexpr (kCsf) {
@@ -496,8 +490,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
       if (tok0 > 0 && !run) {
         __syncthreads();  // the previous pass's partial sums overlaid the rings
         issue_i = 0;
-        for (int s = 0; s <= ahead; ++s) issue();
-        fresh = true;
+        for (int s = 0; s < ahead; ++s) issue();
       }
       // Staged records need no state; the cursors restart with each pass.
       LaneExceptions<F> exceptions;
@@ -549,8 +542,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
             // __syncwarp; the first keeps the new copies off slots that other
             // lanes may still be reading.
             if constexpr (Copy == 2) __syncwarp();
-            if (!fresh) issue();
-            fresh = false;
+            issue();
             cp_async_wait<ahead>();
             if constexpr (Copy == 2) __syncwarp();
           }
