@@ -194,12 +194,19 @@ class PreparedExperts:
             return int(self._layer.resident_scale_bytes())
         return sum(s.nbytes if isinstance(s, CsfScales) else s.numel() for s in (self.w13_scale, self.w2_scale))
 
-    def expand_scales(self) -> None:
+    def expand_scales(self, blocks_per_sm: int = 0) -> None:
         """Fill this layer's scratch with all experts' scales on the current
-        stream (for layers built with scales_expanded=True)."""
+        stream (for layers built with scales_expanded=True).
+
+        blocks_per_sm caps the expansion's resident blocks per SM (0: as many
+        as fit). 1 on a low-priority side stream lets it run beside a call on
+        another stream instead of holding whole SMs (ExpandLaunch,
+        docs/moe-api.md)."""
+        if isinstance(blocks_per_sm, bool) or not isinstance(blocks_per_sm, int) or not 0 <= blocks_per_sm <= 0xFFFF:
+            raise InvalidArgument(f"expand_scales: blocks_per_sm must be an int in 0..65535, got {blocks_per_sm!r}")
         if self._layer is None:
             return
-        self._layer.expand_scales(ops._stream(self.device))
+        self._layer.expand_scales(ops._stream(self.device), blocks_per_sm)
 
     def _bind(self, stream: int) -> None:
         if not self._layer.is_bound(stream):

@@ -99,9 +99,12 @@ struct CudaLayer {
                                         plan.constraints.max_tokens, ws, scales_expanded, options));
   }
 
-  void expand(std::uintptr_t stream) {
+  void expand(std::uintptr_t stream, std::int64_t blocks_per_sm) {
+    if (blocks_per_sm < 0 || blocks_per_sm > 0xFFFF)
+      throw InvalidArgument(fmt::format("expand_scales: blocks_per_sm {} is not in 0..65535", blocks_per_sm));
     nb::gil_scoped_release nogil;
-    expand_scales(weights, reinterpret_cast<cudaStream_t>(stream));
+    expand_scales(weights, reinterpret_cast<cudaStream_t>(stream),
+                  ExpandLaunch{static_cast<std::uint32_t>(blocks_per_sm)});
   }
 
   std::string mode_for(std::uintptr_t stream, std::int64_t tokens) const {

@@ -49,10 +49,14 @@ def test_scale_modes_bitwise_equal(gen):
         assert torch.equal(p(hidden, ids, wts), base), mode
     p = csfmoe.prepare_experts(L, topk=k, compression="csf", scales_expanded=True)
     side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        p.expand_scales()
-    torch.cuda.current_stream().wait_stream(side)
-    assert torch.equal(p(hidden, ids, wts), base)
+    for blocks_per_sm in (0, 1):  # 1: one expansion block per SM (a background expansion)
+        p.scratch[0].fill_(0xFF)
+        p.scratch[1].fill_(0xFF)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            p.expand_scales(blocks_per_sm=blocks_per_sm)
+        torch.cuda.current_stream().wait_stream(side)
+        assert torch.equal(p(hidden, ids, wts), base), blocks_per_sm
 
 
 def test_graph_capture(gen):

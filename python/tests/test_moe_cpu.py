@@ -58,6 +58,16 @@ def test_prepared_experts_csf_equals_native(gen):
     assert a.dtype == torch.bfloat16 and torch.equal(a, b)
 
 
+def test_expand_scales_blocks_per_sm_checked(gen):
+    L = layer(gen, "nvfp4", 2, 128, 64)
+    p = csfmoe.prepare_experts(L, topk=2, compression="csf", scales_expanded=True)
+    p.expand_scales()  # CPU layers read their CSF scales directly: nothing to expand
+    p.expand_scales(blocks_per_sm=1)
+    for bad in (-1, 1 << 16, 1.0, True, "1"):
+        with pytest.raises(csfmoe.InvalidArgument, match="blocks_per_sm"):
+            p.expand_scales(blocks_per_sm=bad)
+
+
 def test_moe_rejections(gen):
     e, h, n = 2, 128, 64
     L = layer(gen, "nvfp4", e, h, n)
