@@ -53,8 +53,10 @@
 //    loop; that start-up was 38 % of the warp samples at T = 1.)
 //  * K split across warps. The W warps of a block (W from decode_warps: the
 //    launch size, not the scale mode) share its 32 weight rows and take K
-//    blocks warp, warp + W, ... (in pairs: pairs warp, warp + W, ...); partial sums meet in shared memory in
-//    a fixed order (deterministic) before the epilogue (SiLU(gate) * up or the per-slot down rows).
+//    blocks warp, warp + W, ... (with paired copies: pairs warp, warp + W,
+//    ...); partial sums meet in shared memory in a fixed order
+//    (deterministic) before the epilogue (SiLU(gate) * up or the per-slot
+//    down rows).
 //
 // A block serves one routing tile (kTileM sorted rows of one expert) and 32
 // weight rows: 16 gate + 16 up rows (16 outputs) for gate/up, 32 output rows
