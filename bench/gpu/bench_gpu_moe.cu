@@ -3,6 +3,7 @@
 //
 //   bench_gpu_moe [--iters N] [--shapes ds3,kimi,qwen3] [--format nvfp4|mxfp4] [--tokens 1,8,...]
 //                 [--prefill-tokens 1024,4096 | --no-prefill] [--json FILE] [--no-peer] [--no-overlap]
+//                 [--timeline FILE]   (builds with -DCSFMOE_DECODE_TIMELINE=1 only)
 //
 // Per shape and token count T (top-8 routing, distinct experts per token):
 //   roofline  = bytes of the distinct experts the call touches (FP4 weights +
@@ -54,6 +55,13 @@
 #include "csfmoe/moe_cuda.hpp"
 
 using namespace csfmoe;
+
+#if CSFMOE_DECODE_TIMELINE
+namespace csfmoe::moe_detail {  // src/cuda/moe_gemm_decode.cu, diagnostic builds
+void decode_timeline_reset();
+unsigned decode_timeline_dump(std::FILE* f, const char* label);
+}  // namespace csfmoe::moe_detail
+#endif
 
 namespace {
 
@@ -182,6 +190,7 @@ struct Args {
   std::vector<std::uint32_t> tokens = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512};
   std::vector<std::uint32_t> prefill = {1024, 2048, 4096, 8192};
   std::string json;
+  std::string timeline;  // decode block timelines of one extra replay per binding (diagnostic builds)
   bool peer = true, overlap = true;
 };
 
@@ -211,6 +220,12 @@ Args parse(int argc, char** argv) {
       a.prefill = parse_list(val());
     } else if (k == "--json") {
       a.json = val();
+    } else if (k == "--timeline") {
+      a.timeline = val();
+#if !CSFMOE_DECODE_TIMELINE
+      std::fprintf(stderr, "bench_gpu_moe: --timeline needs a build with -DCSFMOE_DECODE_TIMELINE=1\n");
+      std::exit(2);
+#endif
     } else if (k == "--no-prefill") {
       a.prefill.clear();
     } else if (k == "--no-peer") {
@@ -470,7 +485,7 @@ int main(int argc, char** argv) {
       const int iters = T >= 1024 ? std::max(5, args.iters / 6) : args.iters;
 
       // One graph per binding; each replay switches the routing draw first.
-      const auto time_binding = [&](const BoundMoe& b) {
+      const auto time_binding = [&](const BoundMoe& b, int mode) {
         cudaGraph_t graph;
         cudaGraphExec_t exec;
         ck(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "capture");
@@ -491,6 +506,39 @@ int main(int argc, char** argv) {
         }
         // Leave the last draw's output for the checks.
         ck(cudaStreamSynchronize(st), "sync");
+#if CSFMOE_DECODE_TIMELINE
+        if (!args.timeline.empty()) {
+          // One more replay, of the next draw (its weights not in L2), its
+          // blocks recorded; then the last draw again for the checks.
+          const auto select = [&](int dsel) {
+            ck(cudaMemcpyAsync(ids, static_cast<std::int64_t*>(id_sets) + std::size_t(dsel) * T * shape.topk,
+                               std::size_t{T} * shape.topk * 8, cudaMemcpyDeviceToDevice, st),
+               "ids");
+            ck(cudaMemcpyAsync(wts, static_cast<float*>(wt_sets) + std::size_t(dsel) * T * shape.topk,
+                               std::size_t{T} * shape.topk * 4, cudaMemcpyDeviceToDevice, st),
+               "weights");
+          };
+          const int last_draw = (iters + 2) % kDraws;
+          select((last_draw + 1) % kDraws);
+          ck(cudaStreamSynchronize(st), "sync");
+          moe_detail::decode_timeline_reset();
+          const float us = tm.time_us(st, [&] { ck(cudaGraphLaunch(exec, st), "launch"); });
+          ck(cudaStreamSynchronize(st), "sync");
+          select(last_draw);
+          ck(cudaGraphLaunch(exec, st), "launch");
+          ck(cudaStreamSynchronize(st), "sync");
+          std::FILE* f = std::fopen(args.timeline.c_str(), "a");
+          if (f == nullptr) {
+            std::fprintf(stderr, "bench_gpu_moe: cannot append to %s\n", args.timeline.c_str());
+            std::exit(1);
+          }
+          char label[160];
+          std::snprintf(label, sizeof label, "\"shape\":\"%s\",\"T\":%u,\"mode\":%d,\"call_us\":%.2f",
+                        shape.name.c_str(), T, mode, us);
+          moe_detail::decode_timeline_dump(f, label);
+          std::fclose(f);
+        }
+#endif
         ck(cudaGraphExecDestroy(exec), "destroy");
         ck(cudaGraphDestroy(graph), "destroy");
         return median(t);
@@ -528,7 +576,7 @@ int main(int argc, char** argv) {
         if (m == 0) pdl = b.programmatic_launch();
         if (m == 3) stage_kernel = to_string(b.kernel_for(T));
         if (m == 1) expand_scales(lw, st);
-        us[m] = time_binding(b);
+        us[m] = time_binding(b, m);
         outs[m].resize(h.size());
         ck(cudaMemcpy(outs[m].data(), out, h.size() * 2, cudaMemcpyDeviceToHost), "out");
       }

@@ -94,6 +94,13 @@
 #ifndef CSFMOE_DECODE_ACT_PREFETCH
 #define CSFMOE_DECODE_ACT_PREFETCH 1
 #endif
+// Diagnostic builds only (scripts/gpu-timeline-decode): CSFMOE_DECODE_TIMELINE=1
+// makes every decode block record when it started, passed its waits, finished
+// its prologue and exited (%globaltimer, with its SM), to place a call's time
+// across its blocks: waves, start-up, tails and the gap between the GEMMs.
+#ifndef CSFMOE_DECODE_TIMELINE
+#define CSFMOE_DECODE_TIMELINE 0
+#endif
 
 namespace csfmoe::moe_detail {
 
@@ -192,6 +199,32 @@ CSFMOE_HD DecodeSmem decode_smem(std::uint32_t warps, std::uint32_t nt, bool csf
   s.total = rest + (run ? partial : 0u);
   return s;
 }
+
+#if CSFMOE_DECODE_TIMELINE
+// One decode block's timeline (ns, %globaltimer): entry, after the gate/up
+// GEMM's wait, prologue done (rows and records staged), after the down GEMM's
+// wait, exit. Read back by decode_timeline_dump (moe_gemm_decode.cu).
+struct DecodeTimelineEvent {
+  unsigned long long t[5];
+  unsigned sm, gate_up, tile, row_block_group, valid;
+};
+constexpr unsigned kDecodeTimelineCapacity = 1u << 18;
+__device__ unsigned g_decode_timeline_count;
+__device__ DecodeTimelineEvent g_decode_timeline[kDecodeTimelineCapacity];
+__device__ __forceinline__ unsigned long long decode_global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Thread 0 of the block records `ev` with stamps t[0..4].
+__device__ __forceinline__ void decode_timeline_record(DecodeTimelineEvent ev) {
+  if (threadIdx.x != 0) return;
+  ev.t[4] = decode_global_ns();
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(ev.sm));
+  const unsigned at = atomicAdd(&g_decode_timeline_count, 1u);
+  if (at < kDecodeTimelineCapacity) g_decode_timeline[at] = ev;
+}
+#endif
 
 namespace decode {
 
@@ -302,6 +335,11 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
   static_assert(Copy == 1 || Copy == 2, "K blocks per ring copy: decode_copy_kblocks");
   using namespace decode;
   extern __shared__ __align__(16) unsigned char smem[];
+#if CSFMOE_DECODE_TIMELINE
+  DecodeTimelineEvent timeline{};
+  timeline.t[0] = decode_global_ns();
+  timeline.gate_up = GateUp, timeline.tile = blockIdx.x, timeline.row_block_group = blockIdx.y;
+#endif
 
   // gate/up reads the routing (or the expanded scales, or the permuted
   // hidden rows) of the kernel right before it. The down GEMM's routing and
@@ -311,8 +349,16 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
     grid_dependency_wait();
     allow_dependent_launch();
   }
+#if CSFMOE_DECODE_TIMELINE
+  timeline.t[1] = decode_global_ns();
+#endif
   const int tile = blockIdx.x;
-  if (tile >= p.header[0]) return;
+  if (tile >= p.header[0]) {
+#if CSFMOE_DECODE_TIMELINE
+    decode_timeline_record(timeline);
+#endif
+    return;
+  }
   const int warps = int(blockDim.x / 32);  // decode_warps
   constexpr bool kCsf = K == ScaleKind::csf;
   // A block streams row blocks rb_first .. rb_first + runs - 1 of its tile in
@@ -462,10 +508,17 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
   }
   const std::uint32_t lane_key = std::uint32_t(g | t << 3);  // BlockExceptions::patch
 
+#if CSFMOE_DECODE_TIMELINE
+  timeline.t[2] = decode_global_ns();
+  timeline.valid = unsigned(valid);
+#endif
   if constexpr (!GateUp) {
     grid_dependency_wait();  // act, written by the gate/up GEMM
     allow_dependent_launch();
   }
+#if CSFMOE_DECODE_TIMELINE
+  timeline.t[3] = decode_global_ns();
+#endif
   const float gs = global_scale * kDecodeUnfold<F>;
   const std::uint16_t* x_base = p.a;
   for (int j = 0; j < runs; ++j) {
@@ -648,6 +701,9 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
     }
   }
   cp_async_wait<0>();  // a tile without valid rows still issued its first stages
+#if CSFMOE_DECODE_TIMELINE
+  decode_timeline_record(timeline);
+#endif
 }
 
 }  // namespace csfmoe::moe_detail

@@ -1,4 +1,5 @@
 // Instantiations and dispatch table of the decode (weight-streaming) MoE GEMMs.
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -141,5 +142,31 @@ void configure_decode_kernels(std::uint32_t smem_bytes) {
 void launch_decode(ScaleFormat f, bool gate_up, GemmPath path, const GemmParams& p, cudaStream_t stream) {
   kDecode[int(f)][int(p.scales.kind)][gate_up ? 1 : 0][int(path) - int(GemmPath::decode_8)](p, stream);
 }
+
+#if CSFMOE_DECODE_TIMELINE
+// Diagnostic builds (CSFMOE_DECODE_TIMELINE=1): clear the block timeline, and
+// append what was recorded since to `f` as JSON lines tagged with `label` (a
+// JSON object body, e.g. "\"shape\":\"ds3\""). Returns the events written.
+void decode_timeline_reset() {
+  const unsigned zero = 0;
+  (void)cudaMemcpyToSymbol(g_decode_timeline_count, &zero, sizeof zero);
+}
+
+unsigned decode_timeline_dump(std::FILE* f, const char* label) {
+  unsigned n = 0;
+  if (cudaMemcpyFromSymbol(&n, g_decode_timeline_count, sizeof n) != cudaSuccess) return 0;
+  n = n < kDecodeTimelineCapacity ? n : kDecodeTimelineCapacity;
+  std::string buf(std::size_t(n) * sizeof(DecodeTimelineEvent), '\0');
+  if (n != 0 && cudaMemcpyFromSymbol(buf.data(), g_decode_timeline, buf.size()) != cudaSuccess) return 0;
+  const auto* ev = reinterpret_cast<const DecodeTimelineEvent*>(buf.data());
+  for (unsigned i = 0; i < n; ++i)
+    std::fprintf(f,
+                 "{%s,\"gate_up\":%u,\"tile\":%u,\"group\":%u,\"sm\":%u,\"valid\":%u,\"t\":[%llu,%llu,%llu,%"
+                 "llu,%llu]}\n",
+                 label, ev[i].gate_up, ev[i].tile, ev[i].row_block_group, ev[i].sm, ev[i].valid, ev[i].t[0],
+                 ev[i].t[1], ev[i].t[2], ev[i].t[3], ev[i].t[4]);
+  return n;
+}
+#endif
 
 }  // namespace csfmoe::moe_detail
