@@ -454,11 +454,16 @@ TEST_F(GpuMoe, DecodeRowBlockRunsMatchReferenceAndStageRead) {
   CSFMOE_SEEDED(seed);
   std::mt19937_64 rng(seed);
   const MoeLayerGeometry g{8, 1024, 512, 4, GateUpOrder::w13};
+  // Under compute-sanitizer: one format and layout, a single and a two-pass
+  // call (racecheck of the paired ring copies: both GEMMs copy pairs here).
+  const bool small = small_run();
   for (ScaleFormat f : {ScaleFormat::nvfp4, ScaleFormat::mxfp4})
     for (ScaleLayout lay : {ScaleLayout::row_major, ScaleLayout::swizzled_128x4}) {
+      if (small && (f != ScaleFormat::nvfp4 || lay != ScaleLayout::row_major)) continue;
       Layer l(f, g, seed, 64, lay);
       Call call(l.plan_csf, 64);
-      for (std::uint32_t T : {1u, 7u, 20u, 64u})
+      for (std::uint32_t T :
+           small ? std::vector<std::uint32_t>{1, 20} : std::vector<std::uint32_t>{1, 7, 20, 64})
         check_all_modes(l, random_inputs(rng, T, g), call,
                         std::string(to_string(f)) +
                             (lay == ScaleLayout::row_major ? " row-major" : " swizzled") +
