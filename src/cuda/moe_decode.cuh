@@ -352,18 +352,8 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
 #if CSFMOE_DECODE_TIMELINE
   timeline.t[1] = decode_global_ns();
 #endif
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int tile = blockIdx.x;
-  const std::uint32_t row0 = std::uint32_t(tile) * kTileM;
-  // The block's three reads of the routing do not depend on each other (the
-  // tables cover max_tiles, and unused tiles have expert -1): in flight
-  // together, they cost one latency before the weight stream starts instead
-  // of three. The exit tests the expert too, so that ptxas cannot sink its
-  // load below the branch.
-  const int tiles_used = p.header[0];
-  const int e = p.tile_expert[tile];
-  const int first_slot = tid < kTileM ? p.sorted_slot[row0 + tid] : -1;
-  if (tile >= tiles_used || e < 0) {
+  if (tile >= p.header[0]) {
 #if CSFMOE_DECODE_TIMELINE
     decode_timeline_record(timeline);
 #endif
@@ -376,11 +366,14 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
   // passes and more than kDecodeStages - 1 K blocks per warp: decode_launch).
   const bool run = NT == 1 && !kCsf && p.row_block_run > 1;
   const DecodeSmem lay = decode_smem(std::uint32_t(warps), NT, kCsf, run);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   auto* ring = reinterpret_cast<uint4*>(smem);                      // [warp][stage][chunk + scales][lane]
   auto* partial = reinterpret_cast<float*>(smem + lay.partial_at);  // [warp][row][token], after the loop
   auto* arow = reinterpret_cast<int*>(smem + lay.ring_bytes);       // [kTileM]
   auto* block_exceptions = reinterpret_cast<BlockExceptions*>(smem + lay.ring_bytes + kTileM * 4);  // csf
 
+  const int e = p.tile_expert[tile];
+  const std::uint32_t row0 = std::uint32_t(tile) * kTileM;
   constexpr int kOutPerBlock = GateUp ? kDecodeRows / 2 : kDecodeRows;
   const std::uint32_t rb_first = blockIdx.y * p.row_block_run;
   const std::uint32_t row_blocks = (GateUp ? p.n : p.out_rows) / kOutPerBlock;
@@ -496,7 +489,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
   int valid = 0;
   for (int m0 = 0; m0 < kTileM; m0 += int(blockDim.x)) {
     const int m = m0 + tid;
-    const int slot = m0 == 0 ? first_slot : m < kTileM ? p.sorted_slot[row0 + m] : -1;
+    const int slot = m < kTileM ? p.sorted_slot[row0 + m] : -1;
     if (m < kTileM) arow[m] = slot < 0 ? -1 : (GateUp ? slot / int(p.topk) : int(row0) + m);
     valid += __syncthreads_count(slot >= 0);
   }

@@ -19,7 +19,7 @@ constexpr int kGemmThreads = 128;
 constexpr int kRouteThreads = 1024;
 
 // Upper bound on the padded tiles of a call with `slots` = T * k slots.
-CSFMOE_HD std::uint64_t max_tiles(std::uint64_t slots, std::uint32_t experts) {
+inline std::uint64_t max_tiles(std::uint64_t slots, std::uint32_t experts) {
   return (slots + kTileM - 1) / kTileM + (slots < experts ? slots : experts);
 }
 

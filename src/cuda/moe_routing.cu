@@ -53,15 +53,6 @@ __global__ void __launch_bounds__(kRouteThreads)
     for (int t = offset[e] / kTileM; t < offset[e + 1] / kTileM; ++t) r.tile_expert[t] = e;
     for (int p = offset[e] + count[e]; p < offset[e + 1]; ++p) r.sorted_slot[p] = -1;
   }
-  // Tiles past the used ones are written too (expert -1, padding rows): the
-  // GEMMs read a tile's expert and rows before they learn whether it is used.
-  {
-    const int used_rows = offset[experts], all_rows = int(max_tiles(slots, experts)) * kTileM;
-    for (int m = used_rows + tid; m < all_rows; m += blockDim.x) {
-      r.sorted_slot[m] = -1;
-      if (m % kTileM == 0) r.tile_expert[m / kTileM] = -1;
-    }
-  }
   // Stable scatter: warps take turns so that every slot's rank is the number
   // of earlier slots routed to the same expert.
   const int warp = tid / 32, lane = tid % 32;
