@@ -123,14 +123,6 @@ struct MoeBindOptions {
   // stream order (for profilers, or streams shared with kernels that
   // misuse PDL).
   bool programmatic_launch = true;
-  // Calls with T <= combine_fused_max_tokens that run the decode kernel fold
-  // the weighted combine into the down GEMM (the block finishing a row
-  // block's last expert tile sums it over the top-k slots) instead of
-  // launching the combine kernel: one launch fewer, the same bits. 0 never
-  // fuses. The default is measured on the H200 (bench/RESULTS.md, "fused
-  // combine"); the environment variable CSFMOE_COMBINE_FUSED_MAX_TOKENS, when
-  // set, replaces it at bind() (tuning).
-  std::uint32_t combine_fused_max_tokens = 16;
 };
 
 // A frozen launch configuration: stream, token bound, workspace, and the rule

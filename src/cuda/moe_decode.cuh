@@ -101,12 +101,6 @@
 #ifndef CSFMOE_DECODE_TIMELINE
 #define CSFMOE_DECODE_TIMELINE 0
 #endif
-// Experiment (scripts/gpu-diag-decode): down GEMM blocks that start under the
-// gate/up GEMM (programmatic launch) prefetch their whole weight rows into L2
-// before waiting: 1 = blocks of the first wave, 2 = every block.
-#ifndef CSFMOE_DECODE_DOWN_PREFETCH
-#define CSFMOE_DECODE_DOWN_PREFETCH 0
-#endif
 
 namespace csfmoe::moe_detail {
 
@@ -333,37 +327,6 @@ __device__ __forceinline__ void scale_pairs(const std::uint32_t (&u)[kWords], st
   }
 }
 
-// Down GEMM with the combine fused (GemmParams::combine_out): after a block
-// has written its tile's slot rows of row block `rb` (outputs n0 .. n0 + 31),
-// it counts the tile as done; the block that counts the last of the
-// `tiles_used` tiles sums the row block over every token's top-k slots, in
-// slot order, skipping ids outside [0, E) (the combine kernel's order and
-// rounding, so the bits are the same). Every thread of the block calls it.
-__device__ __forceinline__ void fused_combine(const GemmParams& p, std::uint32_t rb, std::uint32_t n0,
-                                              int tiles_used) {
-  __threadfence();  // this block's slot rows, before its count
-  __syncthreads();
-  unsigned done = 0;
-  if (threadIdx.x == 0) done = atomicAdd(p.combine_done + rb, 1u) + 1u;
-  if (!__syncthreads_or(threadIdx.x == 0 && done == unsigned(tiles_used))) return;
-  __threadfence();  // the other tiles' slot rows, before reading them (from L2: __ldcg)
-  constexpr std::uint32_t outputs = kDecodeOutputRows;
-  static_assert(kDecodeOutputRows == kDecodeRows, "a down row block is the block's weight rows");
-  for (std::uint32_t idx = threadIdx.x; idx < p.combine_tokens * outputs; idx += blockDim.x) {
-    const std::uint32_t t = idx / outputs, h = n0 + idx % outputs;
-    float acc = 0.0f;
-    for (std::uint32_t j = 0; j < p.topk; ++j) {
-      const std::uint64_t s = std::uint64_t(t) * p.topk + j;
-      const long long id = p.combine_ids64 ? static_cast<const long long*>(p.combine_ids)[s]
-                                           : static_cast<const int*>(p.combine_ids)[s];
-      if (id < 0 || id >= p.combine_experts) continue;
-      acc = fmaf(p.combine_weights[s], __ldcg(p.slot_out + s * p.out_rows + h), acc);
-    }
-    const __nv_bfloat16 y = __float2bfloat16_rn(acc);
-    p.combine_out[std::uint64_t(t) * p.out_rows + h] = *reinterpret_cast<const std::uint16_t*>(&y);
-  }
-}
-
 }  // namespace decode
 
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT, int Copy>
@@ -390,8 +353,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
   timeline.t[1] = decode_global_ns();
 #endif
   const int tile = blockIdx.x;
-  const int tiles_used = p.header[0];
-  if (tile >= tiles_used) {
+  if (tile >= p.header[0]) {
 #if CSFMOE_DECODE_TIMELINE
     decode_timeline_record(timeline);
 #endif
@@ -519,22 +481,6 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
   // pass of the first row block: a run's warps hold at least kDecodeStages K
   // blocks, so the cursor does not roll over before `passes` is known).
   for (int s = 0; s < ahead; ++s) issue();
-#if CSFMOE_DECODE_DOWN_PREFETCH
-  if constexpr (!GateUp) {
-    const std::uint32_t linear = blockIdx.y * gridDim.x + blockIdx.x;
-    const bool early =
-        CSFMOE_DECODE_DOWN_PREFETCH == 2 || linear < p.sm_count * std::uint32_t(2 * kDecodeMaxWarps / warps);
-    if (p.chained && early) {
-      // The run's rows are contiguous: 4 KB per thread.
-      const std::uint8_t* first = w_e + std::uint64_t(first_output(0)) * row_bytes;
-      const std::uint32_t bytes = std::uint32_t(runs * kOutPerBlock * row_bytes);
-      for (std::uint32_t off = std::uint32_t(tid) * 4096u; off < bytes; off += blockDim.x * 4096u) {
-        const std::uint32_t n = bytes - off < 4096u ? bytes - off : 4096u;
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first + off), "r"(n) : "memory");
-      }
-    }
-  }
-#endif
 
   if constexpr (kCsf)
     block_exceptions->load_prefix(p.scales, e, wrow(0), wrow(16), kblocks, tid, int(blockDim.x));
@@ -568,9 +514,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
 #endif
   if constexpr (!GateUp) {
     grid_dependency_wait();  // act, written by the gate/up GEMM
-    // With the combine fused this is the call's last kernel: like the combine
-    // kernel, it lets the caller's next kernel start only when it is done.
-    if (p.combine_out == nullptr) allow_dependent_launch();
+    allow_dependent_launch();
   }
 #if CSFMOE_DECODE_TIMELINE
   timeline.t[3] = decode_global_ns();
@@ -602,23 +546,6 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
         __syncthreads();  // the previous pass's partial sums overlaid the rings
         issue_i = 0;
         for (int s = 0; s < ahead; ++s) issue();
-#if CSFMOE_DECODE_DOWN_PREFETCH
-        if constexpr (!GateUp) {
-          const std::uint32_t linear = blockIdx.y * gridDim.x + blockIdx.x;
-          const bool early = CSFMOE_DECODE_DOWN_PREFETCH == 2 ||
-                             linear < p.sm_count * std::uint32_t(2 * kDecodeMaxWarps / warps);
-          if (p.chained && early) {
-            // The run's rows are contiguous: 4 KB per thread.
-            const std::uint8_t* first = w_e + std::uint64_t(first_output(0)) * row_bytes;
-            const std::uint32_t bytes = std::uint32_t(runs * kOutPerBlock * row_bytes);
-            for (std::uint32_t off = std::uint32_t(tid) * 4096u; off < bytes; off += blockDim.x * 4096u) {
-              const std::uint32_t n = bytes - off < 4096u ? bytes - off : 4096u;
-              asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first + off), "r"(n)
-                           : "memory");
-            }
-          }
-        }
-#endif
       }
       // Staged records need no state; the cursors restart with each pass.
       LaneExceptions<F> exceptions;
@@ -771,9 +698,6 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
           p.slot_out[std::uint64_t(s) * p.out_rows + n0 + o] = sum(o);
         }
       }
-    }
-    if constexpr (!GateUp) {
-      if (p.combine_out != nullptr) fused_combine(p, rb_first + std::uint32_t(j), n0, tiles_used);
     }
   }
   cp_async_wait<0>();  // a tile without valid rows still issued its first stages

@@ -28,11 +28,6 @@ struct Routing {
   int* header = nullptr;       // [0] tiles in use, [1] ids outside [0, E)
   int* tile_expert = nullptr;  // [max_tiles] expert of each tile of kTileM sorted rows
   int* sorted_slot = nullptr;  // [max_tiles * kTileM] slot t*k+j per sorted row, -1 = padding
-  // Per-row-block tile counters of the down GEMM's fused combine (GemmParams::
-  // combine_done), zeroed here at the start of every call: the workspace may
-  // hold another binding's data in between.
-  unsigned* combine_done = nullptr;
-  std::uint32_t combine_row_blocks = 0;
 };
 
 // `chained`: launched as a programmatic dependent of the stream's previous
@@ -78,17 +73,6 @@ struct GemmParams {
   std::uint16_t* act = nullptr;
   // down: per-slot outputs [T * k, H] f32.
   float* slot_out = nullptr;
-  // Decode down GEMM only: the weighted combine fused into its epilogue
-  // (combine_out != nullptr). Each block counts its finished row blocks in
-  // combine_done; the block that finishes a row block's last tile sums that
-  // row block's outputs over the top-k slots of every token, in slot order
-  // (bitwise what the combine kernel gives), into combine_out.
-  std::uint16_t* combine_out = nullptr;  // bf16 [T, H]
-  unsigned* combine_done = nullptr;      // [H / 32], zeroed by the routing kernel
-  const void* combine_ids = nullptr;     // [T, k], int64 where combine_ids64, else int32
-  bool combine_ids64 = false;
-  const float* combine_weights = nullptr;  // [T, k]
-  std::uint32_t combine_tokens = 0, combine_experts = 0;
   bool chained = false;  // programmatic dependent launch (launch.cuh)
   // Decode kernel: row blocks each block streams in turn (set by its launcher).
   std::uint32_t row_block_run = 1;
@@ -106,7 +90,6 @@ void launch_down(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t
 // their shared memory fits the device (decode_smem_bytes <= opt-in maximum).
 // configure_decode_kernels lets them use it on the current device.
 bool decode_shape_ok(std::uint32_t hidden, std::uint32_t intermediate);
-constexpr std::uint32_t kDecodeOutputRows = 32;    // down GEMM outputs per decode row block
 std::uint32_t decode_smem_bytes(std::uint32_t k);  // both formats: the scales travel in the ring
 void configure_decode_kernels(std::uint32_t smem_bytes);
 void launch_decode(ScaleFormat f, bool gate_up, GemmPath path, const GemmParams& p, cudaStream_t stream);

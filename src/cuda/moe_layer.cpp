@@ -4,7 +4,6 @@
 #include <fmt/core.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include "csfmoe/errors.hpp"
@@ -56,15 +55,8 @@ void check_pointer(const void* p, const char* name, int device, std::size_t alig
 
 // Workspace layout of a binding for max_tokens (offsets 256-byte aligned).
 struct Layout {
-  std::uint64_t header = 0, tile_expert = 0, sorted_slot = 0, act = 0, slot_out = 0, combine_done = 0,
-                total = 0;
+  std::uint64_t header = 0, tile_expert = 0, sorted_slot = 0, act = 0, slot_out = 0, total = 0;
 };
-// Row blocks of the down GEMM's output (H / 32): one tile counter each for
-// the fused combine (0 where the decode kernel cannot run the layer).
-std::uint64_t combine_row_blocks(const MoeLayerGeometry& g) {
-  return moe_detail::decode_shape_ok(g.hidden, g.intermediate) ? g.hidden / moe_detail::kDecodeOutputRows : 0;
-}
-
 Layout layout_of(const MoePlan& plan, std::uint32_t max_tokens) {
   const auto up = [](std::uint64_t x) { return round_up(x, 256); };
   const std::uint64_t slots = std::uint64_t{max_tokens} * plan.geometry.topk;
@@ -75,8 +67,7 @@ Layout layout_of(const MoePlan& plan, std::uint32_t max_tokens) {
   l.sorted_slot = up(l.tile_expert + tiles * 4);
   l.act = up(l.sorted_slot + tiles * kTileM * 4);
   l.slot_out = up(l.act + tiles * kTileM * plan.geometry.intermediate * 2);
-  l.combine_done = up(l.slot_out + slots * plan.geometry.hidden * 4);
-  l.total = up(l.combine_done + combine_row_blocks(plan.geometry) * 4);
+  l.total = up(l.slot_out + slots * plan.geometry.hidden * 4);
   return l;
 }
 
@@ -301,11 +292,6 @@ BoundMoe bind(const MoeWeights& w, cudaStream_t stream, std::uint32_t max_tokens
   b.workspace_ = ws;
   b.scales_expanded_ = scales_expanded;
   b.options_ = options;
-  if (const char* v = std::getenv("CSFMOE_COMBINE_FUSED_MAX_TOKENS"); v != nullptr && *v != '\0') {
-    char* end = nullptr;
-    const unsigned long n = std::strtoul(v, &end, 10);
-    if (*end == '\0' && n <= 0xFFFFFFFFul) b.options_.combine_fused_max_tokens = std::uint32_t(n);
-  }
   return b;
 }
 
@@ -347,8 +333,6 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   r.header = reinterpret_cast<int*>(base + l.header);
   r.tile_expert = reinterpret_cast<int*>(base + l.tile_expert);
   r.sorted_slot = reinterpret_cast<int*>(base + l.sorted_slot);
-  r.combine_done = reinterpret_cast<unsigned*>(base + l.combine_done);
-  r.combine_row_blocks = std::uint32_t(combine_row_blocks(g));
   auto* act = reinterpret_cast<std::uint16_t*>(base + l.act);
   auto* slot_out = reinterpret_cast<float*>(base + l.slot_out);
   const std::uint32_t slots = tokens * g.topk;
@@ -433,21 +417,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   dp.global = w.source().w2_global;
   dp.act = nullptr;
   dp.slot_out = slot_out;
-  // The combine fused into the decode down GEMM (MoeBindOptions::
-  // combine_fused_max_tokens): its last block per row block does the work.
-  const bool fused_combine = path != GemmPath::tiled && path != GemmPath::prefill &&
-                             tokens <= b.options_.combine_fused_max_tokens && r.combine_row_blocks != 0;
-  if (fused_combine) {
-    dp.combine_out = static_cast<std::uint16_t*>(out);
-    dp.combine_done = r.combine_done;
-    dp.combine_ids = topk_ids;
-    dp.combine_ids64 = id_type == IndexType::int64;
-    dp.combine_weights = topk_weights;
-    dp.combine_tokens = tokens;
-    dp.combine_experts = g.experts;
-  }
   moe_detail::launch_down(p.format, path, dp, b.stream_);
-  if (fused_combine) return;
 
   moe_detail::CombineParams cp;
   cp.slot_out = slot_out;

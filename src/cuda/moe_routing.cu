@@ -23,7 +23,6 @@ __global__ void __launch_bounds__(kRouteThreads)
   // still be read by the previous call's down GEMM (launch.cuh).
   grid_dependency_wait();
   allow_dependent_launch();
-  for (std::uint32_t i = tid; i < r.combine_row_blocks; i += blockDim.x) r.combine_done[i] = 0;
   for (int e = tid; e < int(experts); e += blockDim.x) count[e] = cursor[e] = 0;
   if (tid == 0) invalid = 0;
   __syncthreads();

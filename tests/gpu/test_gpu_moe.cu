@@ -3,7 +3,6 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -554,61 +553,6 @@ TEST_F(GpuMoe, InvalidIdsContributeNothingAndAreCounted) {
                                 options_for(m, kernel));
         EXPECT_EQ(b.invalid_id_count(), 3u);
       }
-  }
-}
-
-// The combine fused into the decode down GEMM (MoeBindOptions::
-// combine_fused_max_tokens) against the combine kernel: the same bits, for
-// int32 and int64 ids with some outside [0, E), hot experts whose tiles take
-// several token passes, and two layers of different H (different row-block
-// counters) taking turns on one workspace and one stream with no
-// synchronization in between, so a counter left by the other layer would show.
-TEST_F(GpuMoe, FusedCombineMatchesCombineKernelBitwise) {
-  CSFMOE_SEEDED(seed);
-  std::mt19937_64 rng(seed);
-  const MoeLayerGeometry ga{16, 256, 128, 4, GateUpOrder::w13}, gb{8, 512, 256, 8, GateUpOrder::w31};
-  constexpr std::uint32_t kMaxT = 40;
-  Layer la(ScaleFormat::nvfp4, ga, seed, kMaxT), lb(ScaleFormat::mxfp4, gb, seed + 1, kMaxT);
-  Buf ws(std::max(moe_workspace_bytes(la.plan_csf, kMaxT), moe_workspace_bytes(lb.plan_csf, kMaxT)));
-  for (IndexType type : {IndexType::int32, IndexType::int64}) {
-    Call ca(la.plan_csf, kMaxT, type), cb(lb.plan_csf, kMaxT, type);
-    for (std::uint32_t T : {1u, 3u, 8u, 16u, 40u}) {
-      Inputs ia = random_inputs(rng, T, ga), ib = random_inputs(rng, T, gb);
-      ia.ids[0] = -1;  // outside [0, E): contributes nothing
-      ib.ids[ib.ids.size() - 1] = gb.experts;
-      if (T >= 16)  // a hot expert: its tile takes 2 to 5 passes of 8
-        for (std::uint32_t t = 0; t < T; ++t) ia.ids[std::size_t{t} * ga.topk + 1] = 5;
-      ca.upload(ia, nullptr);
-      cb.upload(ib, nullptr);
-      for (MoeScaleMode m : {MoeScaleMode::native, MoeScaleMode::stage_read}) {
-        SCOPED_TRACE("T=" + std::to_string(T) + (type == IndexType::int64 ? " int64 " : " int32 ") +
-                     std::string(to_string(m)));
-        std::vector<std::uint16_t> out[2][2];  // [fused][layer]
-        for (int fused = 0; fused < 2; ++fused) {
-          MoeBindOptions opt = options_for(m, MoeKernel::decode);
-          opt.combine_fused_max_tokens = fused ? 0xFFFFFFFFu : 0u;
-          const BoundMoe ba = bind(la.weights_for(m), nullptr, kMaxT, {ws.p, ws.n}, false, opt);
-          const BoundMoe bb = bind(lb.weights_for(m), nullptr, kMaxT, {ws.p, ws.n}, false, opt);
-          ca.poison(std::size_t{T} * ga.hidden, nullptr);
-          cb.poison(std::size_t{T} * gb.hidden, nullptr);
-          for (int round = 0; round < 2; ++round) {  // a, b, a, b: each call finds the other's counters
-            ca.run(ba, T);
-            cb.run(bb, T);
-          }
-          CUDA_OK(cudaDeviceSynchronize());
-          CUDA_OK(cudaGetLastError());
-          out[fused][0] = download<std::uint16_t>(ca.out.p, std::size_t{T} * ga.hidden);
-          out[fused][1] = download<std::uint16_t>(cb.out.p, std::size_t{T} * gb.hidden);
-        }
-        EXPECT_TRUE(out[1][0] == out[0][0]) << "layer a: fused combine differs from the combine kernel";
-        EXPECT_TRUE(out[1][1] == out[0][1]) << "layer b: fused combine differs from the combine kernel";
-        Inputs va = ia, vb = ib;  // the reference skips nothing: give the invalid slots weight 0
-        va.ids[0] = 0, va.weights[0] = 0.0f;
-        vb.ids.back() = 0, vb.weights.back() = 0.0f;
-        EXPECT_LT(relative_error(to_float(out[1][0]), reference(la, va)), 1e-2);
-        EXPECT_LT(relative_error(to_float(out[1][1]), reference(lb, vb)), 1e-2);
-      }
-    }
   }
 }
 
