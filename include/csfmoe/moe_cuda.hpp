@@ -18,6 +18,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 
 #include "csfmoe/device_codec.hpp"
@@ -53,8 +54,24 @@ class MoeWeights {
   const DeviceCsfTensor& w13_csf() const { return w13_csf_; }
   const DeviceCsfTensor& w2_csf() const { return w2_csf_; }
   const std::optional<ScaleScratch>& scratch() const { return scratch_; }
-  // Device bytes of the scales this layer needs resident (native or CSF parts).
+  // Device bytes of the scales this layer needs resident (native or CSF
+  // parts, plus the stage-read index below).
   std::uint64_t resident_scale_bytes() const;
+  // A CSF layer also keeps, per projection, an index of its exception records
+  // by expert, decode row block and K block (built once by prepare_weights),
+  // so that the stage-read decode kernel need not sort them per block; these
+  // are its device bytes (0 where the layer has none: compression none, or a
+  // layer the decode kernel cannot run).
+  std::uint64_t stage_read_index_bytes() const;
+
+  // The index of one projection as the kernels read it (internal).
+  struct StageReadIndexView {
+    const std::uint8_t* data = nullptr;
+    std::uint32_t capacity = 0, block_bytes = 0, blocks_per_expert = 0;
+    std::uint64_t bytes = 0;
+  };
+  const StageReadIndexView& w13_stage_read_index() const { return w13_index_; }
+  const StageReadIndexView& w2_stage_read_index() const { return w2_index_; }
 
  private:
   friend MoeWeights prepare_weights(const MoePlan&, const MoeDeviceWeights&, const ScaleScratch*,
@@ -63,6 +80,8 @@ class MoeWeights {
   MoeDeviceWeights src_;
   DeviceCsfTensor w13_csf_, w2_csf_;
   std::optional<ScaleScratch> scratch_;
+  std::shared_ptr<void> index_storage_;  // both indexes, one device allocation
+  StageReadIndexView w13_index_, w2_index_;
 };
 
 // Checks every pointer (non-null, 16-byte aligned, on `device`) and, for

@@ -482,8 +482,16 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
   // blocks, so the cursor does not roll over before `passes` is known).
   for (int s = 0; s < ahead; ++s) issue();
 
-  if constexpr (kCsf)
-    block_exceptions->load_prefix(p.scales, e, wrow(0), wrow(16), kblocks, tid, int(blockDim.x));
+  // CSF: the rows' exception records, already bucketed by the load-time
+  // index where the layer has one (read in the same round trip as the
+  // routing rows below), else through the row prefix and a per-block sort.
+  [[maybe_unused]] const bool have_index = kCsf && p.scales.index != nullptr;
+  if constexpr (kCsf) {
+    if (have_index)
+      block_exceptions->load_index(p.scales, e, rb_first, kblocks, tid, int(blockDim.x));
+    else
+      block_exceptions->load_prefix(p.scales, e, wrow(0), wrow(16), kblocks, tid, int(blockDim.x));
+  }
   // Valid rows of the tile are a prefix (routing pads the tail with -1).
   // Blocks of fewer than kTileM threads take several rows each.
   int valid = 0;
@@ -497,13 +505,27 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
   const float global_scale = p.global ? p.global[e] : 1.0f;
   bool exceptions_staged = false;  // block-uniform: bucketed in shared memory (else LaneExceptions)
   if constexpr (kCsf) {
-    exceptions_staged = block_exceptions->stage<F>(p.scales, kblocks, tid, int(blockDim.x));
-    __syncthreads();
-    if (exceptions_staged && block_exceptions->count() != 0) {
-      block_exceptions->scan(kblocks, tid);
+    bool indexed = false;
+    if (have_index) {
+      // A row block with more records than the index holds takes the
+      // per-block sort; the barrier keeps that off the loaded buckets until
+      // every thread has read the overflow mark.
+      indexed = __syncthreads_and(block_exceptions->index_complete());
+      if (!indexed) {
+        block_exceptions->load_prefix(p.scales, e, wrow(0), wrow(16), kblocks, tid, int(blockDim.x));
+        __syncthreads();
+      }
+    }
+    exceptions_staged = indexed;
+    if (!indexed) {
+      exceptions_staged = block_exceptions->stage<F>(p.scales, kblocks, tid, int(blockDim.x));
       __syncthreads();
-      block_exceptions->scatter(tid, int(blockDim.x));
-      __syncthreads();
+      if (exceptions_staged && block_exceptions->count() != 0) {
+        block_exceptions->scan(kblocks, tid);
+        __syncthreads();
+        block_exceptions->scatter(tid, int(blockDim.x));
+        __syncthreads();
+      }
     }
   }
   const std::uint32_t lane_key = std::uint32_t(g | t << 3);  // BlockExceptions::patch

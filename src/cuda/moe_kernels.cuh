@@ -52,6 +52,11 @@ struct ScaleSource {
   std::uint64_t slab_bytes = 0;
   std::uint32_t padded_rows = 0;
   std::uint32_t padded_cols = 0;
+  // csf, optional: the stage-read index (stage_read_index.hpp); decode row
+  // block b of expert e at index + (e * index_blocks_per_expert + b) *
+  // index_block_bytes. Null: the decode kernel sorts the records per block.
+  const std::uint8_t* index = nullptr;
+  std::uint32_t index_capacity = 0, index_block_bytes = 0, index_blocks_per_expert = 0;
 };
 
 struct GemmParams {

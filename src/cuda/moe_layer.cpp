@@ -5,10 +5,12 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "csfmoe/errors.hpp"
 #include "csfmoe/moe_cuda.hpp"
 #include "cuda/moe_kernels.cuh"
+#include "cuda/stage_read_index.hpp"
 
 namespace csfmoe {
 
@@ -88,8 +90,12 @@ moe_detail::ScaleSource scratch_source(const std::uint8_t* p, const GridShape& s
   return dense_source(p, rm);
 }
 
-moe_detail::ScaleSource csf_source(const CsfDeviceView& v) {
+moe_detail::ScaleSource csf_source(const CsfDeviceView& v, const MoeWeights::StageReadIndexView& index) {
   moe_detail::ScaleSource src;
+  src.index = index.data;
+  src.index_capacity = index.capacity;
+  src.index_block_bytes = index.block_bytes;
+  src.index_blocks_per_expert = index.blocks_per_expert;
   src.kind = moe_detail::ScaleKind::csf;
   src.fixed = v.fixed;
   src.exceptions = v.exceptions;
@@ -111,9 +117,29 @@ ScratchSizes moe_scale_scratch_bytes(const MoePlan& plan) {
 
 std::uint64_t MoeWeights::resident_scale_bytes() const {
   if (plan_.constraints.compression == ScaleCompression::csf)
-    return w13_csf_.resident_bytes() + w2_csf_.resident_bytes();
+    return w13_csf_.resident_bytes() + w2_csf_.resident_bytes() + stage_read_index_bytes();
   return plan_.w13_scale_bytes + plan_.w2_scale_bytes;
 }
+
+std::uint64_t MoeWeights::stage_read_index_bytes() const { return w13_index_.bytes + w2_index_.bytes; }
+
+namespace {
+
+// The stage-read index of one CSF tensor, built on the host from its
+// exception records and row prefix (a few MB for a large layer).
+moe_detail::StageReadIndex host_stage_read_index(const DeviceCsfTensor& t, const moe_detail::IndexRows& rows,
+                                                 const char* name) {
+  const CsfDeviceView& v = t.view();
+  std::vector<std::uint32_t> records(v.num_exceptions), prefix(v.geometry.total_rows() + 1);
+  if (!records.empty())
+    cuda_check(cudaMemcpy(records.data(), v.exceptions, records.size() * 4, cudaMemcpyDeviceToHost),
+               fmt::format("prepare_weights: read the {} exception records", name).c_str());
+  cuda_check(cudaMemcpy(prefix.data(), v.row_prefix, prefix.size() * 4, cudaMemcpyDeviceToHost),
+             fmt::format("prepare_weights: read the {} row prefix", name).c_str());
+  return moe_detail::build_stage_read_index(v.geometry, rows, records, prefix);
+}
+
+}  // namespace
 
 MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const ScaleScratch* scratch,
                            cudaStream_t stream) {
@@ -163,6 +189,43 @@ MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const
     out.src_.w2_scales = nullptr;
   }
   cuda_check(cudaStreamSynchronize(stream), "prepare_weights: stream synchronize");
+  const MoeLayerGeometry& geo = plan.geometry;
+  if (csf && moe_detail::decode_shape_ok(geo.hidden, geo.intermediate)) {
+    // The stage-read index of both projections (the decode kernel's row
+    // blocks: 16 gate + 16 up rows, or 32 down rows), in one allocation.
+    moe_detail::IndexRows r13, r2;
+    r13.first_half = geo.order == GateUpOrder::w13 ? 0 : geo.intermediate;
+    r13.second_half = geo.order == GateUpOrder::w13 ? geo.intermediate : 0;
+    r13.stride = 16;
+    r13.blocks_per_expert = geo.intermediate / 16;
+    r2.blocks_per_expert = geo.hidden / 32;
+    const moe_detail::StageReadIndex i13 = host_stage_read_index(out.w13_csf_, r13, "w13"),
+                                     i2 = host_stage_read_index(out.w2_csf_, r2, "w2");
+    const std::uint64_t at2 = round_up(i13.bytes.size(), 256), total = at2 + i2.bytes.size();
+    if (total != 0) {
+      void* d = nullptr;
+      cuda_check(cudaMalloc(&d, total),
+                 fmt::format("prepare_weights: allocate {} bytes of stage-read index", total).c_str());
+      const int device = w.device;
+      out.index_storage_ = std::shared_ptr<void>(d, [device](void* q) {
+        try {
+          DeviceGuard guard(device);
+          (void)cudaFree(q);
+        } catch (...) {  // destructors must not throw: the context is gone or the device is lost
+        }
+      });
+      auto* base = static_cast<std::uint8_t*>(d);
+      const auto place = [&](const moe_detail::StageReadIndex& i, std::uint64_t at,
+                             MoeWeights::StageReadIndexView& view) {
+        if (i.bytes.empty()) return;
+        cuda_check(cudaMemcpy(base + at, i.bytes.data(), i.bytes.size(), cudaMemcpyHostToDevice),
+                   "prepare_weights: upload the stage-read index");
+        view = {base + at, i.capacity, i.block_bytes, i.blocks_per_expert, i.bytes.size()};
+      };
+      place(i13, 0, out.w13_index_);
+      place(i2, at2, out.w2_index_);
+    }
+  }
   return out;
 }
 
@@ -359,8 +422,8 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
       s2 = scratch_source(w.scratch()->w2, p.w2_scales);
       break;
     case MoeScaleMode::stage_read:
-      s13 = csf_source(w.w13_csf().view());
-      s2 = csf_source(w.w2_csf().view());
+      s13 = csf_source(w.w13_csf().view(), w.w13_stage_read_index());
+      s2 = csf_source(w.w2_csf().view(), w.w2_stage_read_index());
       break;
   }
 

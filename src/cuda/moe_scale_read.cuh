@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cuda/moe_kernels.cuh"
+#include "cuda/stage_read_index.hpp"
 
 namespace csfmoe::moe_detail {
 
@@ -249,19 +250,40 @@ struct BlockExceptions {
     std::uint32_t cursor[4][kMaxThreads];  // not staged: LaneExceptions' cursors of each thread
   } data;
 
-  // Entry of a record of block row br (0..31), column col_in_block of its K
-  // block, byte v: bits 0..2 the lane's g = br % 8, bits 3..4 its t (lane of
-  // the quad holding the column), bits 5..7 the byte's index p in the
-  // lane's gathered u (LaneScales layout: chunk c = br / 8; NVFP4 p = 2c +
-  // col % 2 over u[0], u[1]; MXFP4 p = c), bits 8..15 the byte.
+  // Entry of a record of block row br (0..31): exception_entry (stage_read_index.hpp).
   template <ScaleFormat F>
   __device__ __forceinline__ static std::uint32_t entry(std::uint32_t br, std::uint32_t col_in_block,
                                                         std::uint32_t v) {
-    const std::uint32_t c = br / 8 % 4;
-    const std::uint32_t lane_t = F == ScaleFormat::nvfp4 ? col_in_block / 2 : col_in_block;
-    const std::uint32_t p = F == ScaleFormat::nvfp4 ? 2 * c + col_in_block % 2 : c;
-    return br % 8 | lane_t << 3 | p << 5 | v << 8;
+    return exception_entry<F>(br, col_in_block, v);
   }
+
+  // Indexed path (ScaleSource::index), step 1, before a barrier: the row
+  // block's index entry (stage_read_index.hpp) into the staged buckets and
+  // entries, which it already holds sorted; it depends on nothing but the
+  // expert. Every 16-byte chunk holds either 8 entries or 16 offsets.
+  __device__ __forceinline__ void load_index(const ScaleSource& s, int e, std::uint32_t row_block,
+                                             std::uint32_t kblocks, int tid, int threads) {
+    const std::uint8_t* src =
+        s.index + (std::uint64_t(e) * s.index_blocks_per_expert + row_block) * s.index_block_bytes;
+    const std::uint32_t entry_vecs = s.index_capacity / 8, vecs = s.index_block_bytes / 16;
+    for (std::uint32_t q = std::uint32_t(tid); q < vecs; q += std::uint32_t(threads)) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(src) + q);
+      const std::uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      if (q < entry_vecs) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) data.staged.entries[8 * q + k] = (w[k / 2] >> (16 * (k % 2))) & 0xFFFFu;
+      } else {
+        const std::uint32_t first = 16 * (q - entry_vecs);
+#pragma unroll
+        for (int k = 0; k < 16; ++k)
+          if (first + k <= kblocks) data.staged.bucket[first + k] = (w[k / 4] >> (8 * (k % 4))) & 0xFFu;
+      }
+    }
+  }
+  // After that barrier: whether the row block fit the index (then the staged
+  // buckets are complete and nothing else of this struct is used).
+  __device__ __forceinline__ bool index_complete() const { return data.staged.bucket[0] != kIndexOverflow; }
+
   // Buckets in use for K of kblocks 128-wide blocks.
   __device__ __forceinline__ static std::uint32_t buckets(std::uint32_t kblocks) {
     return kblocks < kBuckets ? kblocks : kBuckets;
