@@ -60,8 +60,10 @@ class MoeWeights {
   // A CSF layer also keeps, per projection, an index of its exception records
   // by expert, decode row block and K block (built once by prepare_weights),
   // so that the stage-read decode kernel need not sort them per block; these
-  // are its device bytes (0 where the layer has none: compression none, or a
-  // layer the decode kernel cannot run).
+  // are its device bytes (0 where the layer has none: compression none,
+  // constraints.stage_read_max_tokens = 0, or a layer the decode kernel cannot
+  // run). About 4 % of the CSF bytes for NVFP4, 25 % for MXFP4 (whose CSF
+  // part is small), measured on synthetic DeepSeek-V3 and Qwen3 layers.
   std::uint64_t stage_read_index_bytes() const;
 
   // The index of one projection as the kernels read it (internal).

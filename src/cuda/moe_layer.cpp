@@ -190,7 +190,8 @@ MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const
   }
   cuda_check(cudaStreamSynchronize(stream), "prepare_weights: stream synchronize");
   const MoeLayerGeometry& geo = plan.geometry;
-  if (csf && moe_detail::decode_shape_ok(geo.hidden, geo.intermediate)) {
+  if (csf && plan.constraints.stage_read_max_tokens > 0 &&
+      moe_detail::decode_shape_ok(geo.hidden, geo.intermediate)) {
     // The stage-read index of both projections (the decode kernel's row
     // blocks: 16 gate + 16 up rows, or 32 down rows), in one allocation.
     moe_detail::IndexRows r13, r2;

@@ -525,6 +525,28 @@ TEST_F(GpuMoe, StageReadIndexWithOverflowingRowBlocksMatchesNative) {
       l.csf->resident_scale_bytes(),
       l.csf->w13_csf().resident_bytes() + l.csf->w2_csf().resident_bytes() + l.csf->stage_read_index_bytes());
   EXPECT_EQ(l.native->stage_read_index_bytes(), 0u);
+  {  // a layer that never stage-reads keeps no index, and its forced stage-read calls sort per block
+    MoeConstraints c = l.plan_csf.constraints;
+    c.stage_read_max_tokens = 0;
+    const MoePlan plan0 = plan_weights(ScaleFormat::nvfp4, g, c);
+    MoeDeviceWeights d = l.native->source();
+    d.w13_scales = l.s13.as<std::uint8_t>();
+    d.w2_scales = l.s2.as<std::uint8_t>();
+    const MoeWeights w0 = prepare_weights(plan0, d, nullptr, nullptr);
+    EXPECT_EQ(w0.stage_read_index_bytes(), 0u);
+    EXPECT_EQ(w0.w13_stage_read_index().data, nullptr);
+    Call call0(plan0, 64);
+    const Inputs in = random_inputs(rng, 5, g);
+    MoeBindOptions opt = options_for(MoeScaleMode::stage_read, MoeKernel::decode);
+    const BoundMoe b0 = bind(w0, nullptr, 64, call0.workspace(), false, opt);
+    call0.upload(in, nullptr);
+    call0.poison(std::size_t{5} * g.hidden, nullptr);
+    call0.run(b0, 5);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto out0 = download<std::uint16_t>(call0.out.p, std::size_t{5} * g.hidden);
+    Call call1(l.plan_csf, 64);
+    EXPECT_TRUE(out0 == run_mode(l, MoeScaleMode::native, in, call1)) << "stage-read without the index";
+  }
   // The same index on the host: some row blocks overflow, most do not.
   const CsfTensor h13 = l.csf->w13_csf().download();
   moe_detail::IndexRows r13;
