@@ -484,6 +484,17 @@ int main(int argc, char** argv) {
       const double roof_csf = distinct * (double(layer.expert_fp4) + layer.expert_csf_scales) / bw * 1e6;
       const int iters = T >= 1024 ? std::max(5, args.iters / 6) : args.iters;
 
+      // Copies routing draw dsel into the call's ids and weights (on st).
+      const auto select_draw = [&](int dsel) {
+        ck(cudaMemcpyAsync(ids, static_cast<std::int64_t*>(id_sets) + std::size_t(dsel) * T * shape.topk,
+                           std::size_t{T} * shape.topk * 8, cudaMemcpyDeviceToDevice, st),
+           "ids");
+        ck(cudaMemcpyAsync(wts, static_cast<float*>(wt_sets) + std::size_t(dsel) * T * shape.topk,
+                           std::size_t{T} * shape.topk * 4, cudaMemcpyDeviceToDevice, st),
+           "weights");
+      };
+      const int last = (iters + 2) % kDraws;  // the draw the timed replays end on
+
       // One graph per binding; each replay switches the routing draw first.
       const auto time_binding = [&](const BoundMoe& b, int mode) {
         cudaGraph_t graph;
@@ -494,13 +505,7 @@ int main(int argc, char** argv) {
         ck(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
         std::vector<float> t;
         for (int i = 0; i < iters + 3; ++i) {
-          const int dsel = i % kDraws;
-          ck(cudaMemcpyAsync(ids, static_cast<std::int64_t*>(id_sets) + std::size_t(dsel) * T * shape.topk,
-                             std::size_t{T} * shape.topk * 8, cudaMemcpyDeviceToDevice, st),
-             "ids");
-          ck(cudaMemcpyAsync(wts, static_cast<float*>(wt_sets) + std::size_t(dsel) * T * shape.topk,
-                             std::size_t{T} * shape.topk * 4, cudaMemcpyDeviceToDevice, st),
-             "weights");
+          select_draw(i % kDraws);
           const float us = tm.time_us(st, [&] { ck(cudaGraphLaunch(exec, st), "launch"); });
           if (i >= 3) t.push_back(us);
         }
@@ -510,16 +515,7 @@ int main(int argc, char** argv) {
         if (!args.timeline.empty()) {
           // One more replay, of the next draw (its weights not in L2), its
           // blocks recorded; then the last draw again for the checks.
-          const auto select = [&](int dsel) {
-            ck(cudaMemcpyAsync(ids, static_cast<std::int64_t*>(id_sets) + std::size_t(dsel) * T * shape.topk,
-                               std::size_t{T} * shape.topk * 8, cudaMemcpyDeviceToDevice, st),
-               "ids");
-            ck(cudaMemcpyAsync(wts, static_cast<float*>(wt_sets) + std::size_t(dsel) * T * shape.topk,
-                               std::size_t{T} * shape.topk * 4, cudaMemcpyDeviceToDevice, st),
-               "weights");
-          };
-          const int last_draw = (iters + 2) % kDraws;
-          select((last_draw + 1) % kDraws);
+          select_draw((last + 1) % kDraws);
           ck(cudaStreamSynchronize(st), "sync");
           moe_detail::decode_timeline_reset();
           const float us = tm.time_us(st, [&] { ck(cudaGraphLaunch(exec, st), "launch"); });
@@ -534,7 +530,7 @@ int main(int argc, char** argv) {
                         shape.name.c_str(), T, mode, us);
           moe_detail::decode_timeline_dump(f, label);
           std::fclose(f);
-          select(last_draw);
+          select_draw(last);
           ck(cudaGraphLaunch(exec, st), "launch");
           ck(cudaStreamSynchronize(st), "sync");
         }
@@ -543,7 +539,6 @@ int main(int argc, char** argv) {
         ck(cudaGraphDestroy(graph), "destroy");
         return median(t);
       };
-      const int last = (iters + 2) % kDraws;
 
       // 0-3: the modes on the kernel bind() picks; 4: native, tiled kernel; 5: native, decode kernel.
       // 6: native, prefill kernel forced (T >= 256 on sm_90: the crossover).
