@@ -528,7 +528,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
       }
     }
   }
-  const std::uint32_t lane_key = std::uint32_t(g | t << 3);  // BlockExceptions::patch
+  const std::uint32_t lane_key = BlockExceptions::lane_key(g, t);
 
 #if CSFMOE_DECODE_TIMELINE
   timeline.t[2] = decode_global_ns();

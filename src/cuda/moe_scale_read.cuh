@@ -220,35 +220,59 @@ struct LaneScales {
 // (ordered by row, then column).
 //
 // When they fit (kCapacity; realistic grids hold a few per row) the prologue
-// stages them into shared memory bucketed by K block (a counting sort:
-// stage, scan, scatter), and a warp at K block kb patches from one short list
-// with a warp-uniform trip count (patch). Per-lane row cursors made the patch
-// divergent (some lane of nearly every warp and K block is due: the
-// stage-read kernel ran 46 % more instructions than the native-scale one).
-// An entry says which lane takes it and where in the lane's gathered bytes
-// it goes, so a lane tests one masked compare. Buckets are K blocks modulo
-// kBuckets; the entry keeps kb / kBuckets, so any K is bucketed.
-// Records that do not fit (adversarial grids) stay in global memory and are
-// walked by LaneExceptions, whose cursors reuse the staging storage.
+// stages them into shared memory bucketed by K block (from the load-time
+// index, or by a counting sort: stage, scan, scatter), and a warp at K block
+// kb patches from one short list with a warp-uniform trip count (patch).
+// Per-lane row cursors made the patch divergent (some lane of nearly every
+// warp and K block is due: the stage-read kernel ran 46 % more instructions
+// than the native-scale one). A staged record is a PatchEntry, laid out so
+// that a lane tests one masked compare and patches with one byte permute.
+// Buckets are K blocks modulo kBuckets; the entry keeps kb / kBuckets, so any
+// K is bucketed. Records that do not fit (adversarial grids) stay in global
+// memory and are walked by LaneExceptions, whose cursors reuse the staging
+// storage.
+//
+// PatchEntry (uint2) of a record whose exception_entry is `entry`, in K block
+// kb: x = (kb / kBuckets) << 24 | (word of u) << 21 | lane key << 16 |
+// selector, y = the exception byte in all four bytes. The selector
+// (0x3210 with the patched byte's nibble set to 4) makes
+// __byte_perm(u[word], y, selector) replace that byte, as prmt reads only the
+// low 16 bits of its selector.
 struct BlockExceptions {
-  static constexpr std::uint32_t kCapacity = 512;
+  static constexpr std::uint32_t kCapacity = 256;
   static constexpr std::uint32_t kBuckets = 256;
-  static constexpr std::uint32_t kMaxKBlocks = 0xFFFFu;  // sort keys hold kb in 16 bits ...
-  static constexpr std::uint32_t kSkip = 0xFFFFu;        // ... or this, for a column past K
+  static constexpr std::uint32_t kMaxKBlocks = 0xFFFFu;   // sort keys hold kb in 16 bits ...
+  static constexpr std::uint32_t kSkip = 0xFFFFu;         // ... or this, for a column past K
+  static constexpr std::uint32_t kKeyMask = 0xFF1F0000u;  // the bits of a PatchEntry a lane matches
   static constexpr int kMaxThreads = 256;
+  static_assert(kIndexMaxCapacity <= kCapacity, "an indexed row block fits the staging area");
+  static_assert(kIndexMaxKBlocks <= kBuckets, "indexed K blocks are their own buckets");
   std::uint32_t run_prefix[2][17];  // row_prefix of each run's 16 rows, and one past
   std::uint32_t first_row[2];       // weight row of each run's first row
   std::uint32_t row_range[32][2];   // [begin, end) of block row r in the global record array
   union {
     struct {
-      std::uint32_t records[kCapacity];  // kb << 16 | entry (low 16 bits), in record order
-      std::uint32_t entries[kCapacity];  // kb / kBuckets << 16 | entry, by bucket
+      std::uint32_t records[kCapacity];  // per-block sort: kb << 16 | entry (low 16 bits), in record order
+      uint2 patches[kCapacity];          // PatchEntry, by bucket
       // Entries of bucket j at [bucket[j], bucket[j + 1]): counts at j + 1,
       // then their exclusive sums, then, advanced by the scatter, the ends.
       std::uint32_t bucket[kBuckets + 1];
     } staged;
     std::uint32_t cursor[4][kMaxThreads];  // not staged: LaneExceptions' cursors of each thread
   } data;
+
+  // The match key of lane (g, t) = (lane / 4, lane % 4) in the PatchEntry layout.
+  __device__ __forceinline__ static std::uint32_t lane_key(int g, int t) {
+    return std::uint32_t(g | t << 3) << 16;
+  }
+  // PatchEntry of exception_entry `entry` (16 bits) in a K block kb with
+  // kb / kBuckets = kb_high.
+  __device__ __forceinline__ static uint2 patch_entry(std::uint32_t entry, std::uint32_t kb_high) {
+    const std::uint32_t p = (entry >> 5) & 7u, nibble = 4u * (p & 3u);
+    const std::uint32_t selector = (0x3210u & ~(0xFu << nibble)) | 4u << nibble;
+    return make_uint2(kb_high << 24 | (p >> 2) << 21 | (entry & 31u) << 16 | selector,
+                      ((entry >> 8) & 0xFFu) * 0x01010101u);
+  }
 
   // Entry of a record of block row br (0..31): exception_entry (stage_read_index.hpp).
   template <ScaleFormat F>
@@ -259,8 +283,8 @@ struct BlockExceptions {
 
   // Indexed path (ScaleSource::index), step 1, before a barrier: the row
   // block's index entry (stage_read_index.hpp) into the staged buckets and
-  // entries, which it already holds sorted; it depends on nothing but the
-  // expert. Every 16-byte chunk holds either 8 entries or 16 offsets.
+  // patch entries, which it already holds sorted; it depends on nothing but
+  // the expert. Every 16-byte chunk holds either 8 entries or 16 offsets.
   __device__ __forceinline__ void load_index(const ScaleSource& s, int e, std::uint32_t row_block,
                                              std::uint32_t kblocks, int tid, int threads) {
     const std::uint8_t* src =
@@ -271,7 +295,8 @@ struct BlockExceptions {
       const std::uint32_t w[4] = {v.x, v.y, v.z, v.w};
       if (q < entry_vecs) {
 #pragma unroll
-        for (int k = 0; k < 8; ++k) data.staged.entries[8 * q + k] = (w[k / 2] >> (16 * (k % 2))) & 0xFFFFu;
+        for (int k = 0; k < 8; ++k)
+          data.staged.patches[8 * q + k] = patch_entry(w[k / 2] >> (16 * (k % 2)), 0);
       } else {
         const std::uint32_t first = 16 * (q - entry_vecs);
 #pragma unroll
@@ -359,35 +384,35 @@ struct BlockExceptions {
       at += c;
     }
   }
-  // Step 4, staged, before a barrier: the entries into their buckets. Order
-  // within a bucket (shared atomics) does not matter: a grid position has at
-  // most one record, so the patches of a bucket commute.
+  // Step 4, staged, before a barrier: the patch entries into their buckets.
+  // Order within a bucket (shared atomics) does not matter: a grid position
+  // has at most one record, so the patches of a bucket commute.
   __device__ __forceinline__ void scatter(int tid, int threads) {
     for (std::uint32_t idx = tid, n = count(); idx < n; idx += threads) {
       const std::uint32_t v = data.staged.records[idx], kb = v >> 16;
       if (kb != kSkip)
-        data.staged.entries[atomicAdd(&data.staged.bucket[kb % kBuckets + 1], 1u)] =
-            (kb / kBuckets) << 16 | (v & 0xFFFFu);
+        data.staged.patches[atomicAdd(&data.staged.bucket[kb % kBuckets + 1], 1u)] =
+            patch_entry(v & 0xFFFFu, kb / kBuckets);
     }
   }
 
   // Staged: patches the gathered bytes u (LaneScales layout) of K block kb
-  // of lane (g, t) = (lane / 4, lane % 4); lane_key = g | t << 3. All lanes
-  // of a warp walk the same entries (kb is warp-uniform).
+  // of the lane whose lane_key is `key`. All lanes of a warp walk the same
+  // entries (kb is warp-uniform); each entry is one load, one masked compare
+  // and a predicated byte permute per word, without branches.
   template <int kWords>
-  __device__ __forceinline__ void patch(std::uint32_t kb, std::uint32_t lane_key,
+  __device__ __forceinline__ void patch(std::uint32_t kb, std::uint32_t key,
                                         std::uint32_t (&u)[kWords]) const {
-    const std::uint32_t j = kb % kBuckets, end = data.staged.bucket[j + 1];
-    const std::uint32_t key = (kb / kBuckets) << 16 | lane_key;
-    for (std::uint32_t i = data.staged.bucket[j]; i < end; ++i) {
-      const std::uint32_t en = data.staged.entries[i];
-      if ((en & 0xFFFF001Fu) == key) {
-        const std::uint32_t shift = (en >> 2) & 24u, byte = (en >> 8) & 0xFFu;  // shift = 8 * (p % 4)
-        if (kWords == 1 || (en & 0x80u) == 0)                                   // p < 4: u[0]
-          u[0] = (u[0] & ~(0xFFu << shift)) | byte << shift;
-        else
-          u[kWords - 1] = (u[kWords - 1] & ~(0xFFu << shift)) | byte << shift;
-      }
+    constexpr std::uint32_t kHigh = 1u << 21, kMatch = kKeyMask | kHigh;
+    const std::uint32_t j = kb % kBuckets;
+    key |= (kb / kBuckets) << 24;
+    const uint2* const end = data.staged.patches + data.staged.bucket[j + 1];
+#pragma unroll 1
+    for (const uint2* en = data.staged.patches + data.staged.bucket[j]; en != end; ++en) {
+      const uint2 v = *en;
+      const std::uint32_t d = v.x ^ key;  // zero in kMatch: this lane's word 0
+      u[0] = (d & kMatch) == 0 ? __byte_perm(u[0], v.y, v.x) : u[0];
+      if constexpr (kWords == 2) u[1] = ((d ^ kHigh) & kMatch) == 0 ? __byte_perm(u[1], v.y, v.x) : u[1];
     }
   }
 };
