@@ -511,10 +511,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
       // per-block sort; the barrier keeps that off the loaded buckets until
       // every thread has read the overflow mark.
       indexed = __syncthreads_and(block_exceptions->index_complete());
-      if (indexed) {
-        block_exceptions->mark_lanes(kblocks, tid, int(blockDim.x));
-        __syncthreads();
-      } else {
+      if (!indexed) {
         block_exceptions->load_prefix(p.scales, e, wrow(0), wrow(16), kblocks, tid, int(blockDim.x));
         __syncthreads();
       }
@@ -526,7 +523,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
       if (exceptions_staged && block_exceptions->count() != 0) {
         block_exceptions->scan(kblocks, tid);
         __syncthreads();
-        block_exceptions->scatter(kblocks, tid, int(blockDim.x));
+        block_exceptions->scatter(tid, int(blockDim.x));
         __syncthreads();
       }
     }
@@ -646,7 +643,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
             lane_scales.gather(stage[kDecodeChunksPerLane * 32], kb, u);
             if constexpr (kCsf) {
               if (exceptions_staged)
-                block_exceptions->patch(kb, lane_key, 1u << lane, u);
+                block_exceptions->patch(kb, lane_key, u);
               else if (exceptions.due(kb))
                 exceptions.patch(p.scales, *block_exceptions, tid, g, kb, t, u);
             }

@@ -226,28 +226,24 @@ struct LaneScales {
 // Per-lane row cursors made the patch divergent (some lane of nearly every
 // warp and K block is due: the stage-read kernel ran 46 % more instructions
 // than the native-scale one). A staged record is a PatchEntry, laid out so
-// that a lane tests one compare and patches with two byte permutes.
+// that a lane tests one masked compare and patches with one byte permute.
 // Buckets are K blocks modulo kBuckets; the entry keeps kb / kBuckets, so any
-// K is bucketed. With the index, whose K blocks are their own buckets and
-// whose entries are ordered by lane, most K blocks hold at most one entry per
-// lane: then lanes[kb] says which lanes hold one, and a lane takes its entry
-// by counting the lanes below it, without walking the bucket (mark_lanes).
-// Records that do not fit (adversarial grids) stay in global
+// K is bucketed. Records that do not fit (adversarial grids) stay in global
 // memory and are walked by LaneExceptions, whose cursors reuse the staging
 // storage.
 //
 // PatchEntry (uint2) of a record whose exception_entry is `entry`, in K block
-// kb: x = two __byte_perm selectors, for u[0] (bits 0..15) and u[1] (bits
-// 16..31): 0x3210 (keep) except, for the word holding the byte, nibble 4 at
-// its place (take byte 0 of y); y = the exception byte | lane key << 8, lane
-// key = g | t << 3 | (kb / kBuckets) << 5. A lane patches both words with
-// two byte permutes, no test of which word it is.
+// kb: x = (kb / kBuckets) << 24 | (word of u) << 21 | lane key << 16 |
+// selector, y = the exception byte in all four bytes. The selector
+// (0x3210 with the patched byte's nibble set to 4) makes
+// __byte_perm(u[word], y, selector) replace that byte, as prmt reads only the
+// low 16 bits of its selector.
 struct BlockExceptions {
   static constexpr std::uint32_t kCapacity = 256;
   static constexpr std::uint32_t kBuckets = 256;
-  static constexpr std::uint32_t kMaxKBlocks = 0xFFFFu;  // sort keys hold kb in 16 bits ...
-  static constexpr std::uint32_t kSkip = 0xFFFFu;        // ... or this, for a column past K
-  static constexpr std::uint32_t kWalk = 0xFFFFFFFFu;    // lanes[j]: walk bucket j (patch)
+  static constexpr std::uint32_t kMaxKBlocks = 0xFFFFu;   // sort keys hold kb in 16 bits ...
+  static constexpr std::uint32_t kSkip = 0xFFFFu;         // ... or this, for a column past K
+  static constexpr std::uint32_t kKeyMask = 0xFF1F0000u;  // the bits of a PatchEntry a lane matches
   static constexpr int kMaxThreads = 256;
   static_assert(kIndexMaxCapacity <= kCapacity, "an indexed row block fits the staging area");
   static_assert(kIndexMaxKBlocks <= kBuckets, "indexed K blocks are their own buckets");
@@ -261,23 +257,29 @@ struct BlockExceptions {
       // Entries of bucket j at [bucket[j], bucket[j + 1]): counts at j + 1,
       // then their exclusive sums, then, advanced by the scatter, the ends.
       std::uint32_t bucket[kBuckets + 1];
-      // Per bucket: the lanes holding one entry each, in lane order, or kWalk.
-      std::uint32_t lanes[kBuckets];
     } staged;
     std::uint32_t cursor[4][kMaxThreads];  // not staged: LaneExceptions' cursors of each thread
   } data;
 
   // The match key of lane (g, t) = (lane / 4, lane % 4) in the PatchEntry layout.
-  __device__ __forceinline__ static std::uint32_t lane_key(int g, int t) { return std::uint32_t(g | t << 3); }
+  __device__ __forceinline__ static std::uint32_t lane_key(int g, int t) {
+    return std::uint32_t(g | t << 3) << 16;
+  }
   // PatchEntry of exception_entry `entry` (16 bits) in a K block kb with
   // kb / kBuckets = kb_high.
   __device__ __forceinline__ static uint2 patch_entry(std::uint32_t entry, std::uint32_t kb_high) {
-    const std::uint32_t p = (entry >> 5) & 7u, at = 16u * (p >> 2) + 4u * (p & 3u);
-    const std::uint32_t selectors = (0x32103210u & ~(0xFu << at)) | 4u << at;
-    return make_uint2(selectors, ((entry >> 8) & 0xFFu) | ((entry & 31u) | kb_high << 5) << 8);
+    const std::uint32_t p = (entry >> 5) & 7u, nibble = 4u * (p & 3u);
+    const std::uint32_t selector = (0x3210u & ~(0xFu << nibble)) | 4u << nibble;
+    return make_uint2(kb_high << 24 | (p >> 2) << 21 | (entry & 31u) << 16 | selector,
+                      ((entry >> 8) & 0xFFu) * 0x01010101u);
   }
-  // The lane (0..31) that patches a PatchEntry: entry_lane.
-  __device__ __forceinline__ static std::uint32_t patch_lane(uint2 v) { return entry_lane(v.y >> 8); }
+
+  // Entry of a record of block row br (0..31): exception_entry (stage_read_index.hpp).
+  template <ScaleFormat F>
+  __device__ __forceinline__ static std::uint32_t entry(std::uint32_t br, std::uint32_t col_in_block,
+                                                        std::uint32_t v) {
+    return exception_entry<F>(br, col_in_block, v);
+  }
 
   // Indexed path (ScaleSource::index), step 1, before a barrier: the row
   // block's index entry (stage_read_index.hpp) into the staged buckets and
@@ -306,21 +308,6 @@ struct BlockExceptions {
   // After that barrier: whether the row block fit the index (then the staged
   // buckets are complete and nothing else of this struct is used).
   __device__ __forceinline__ bool index_complete() const { return data.staged.bucket[0] != kIndexOverflow; }
-  // Indexed path, step 2, after that barrier and before another: lanes[kb]
-  // of every K block, kWalk where a lane holds two entries or the entries are
-  // not in lane order (the index orders them; this keeps patch exact anyway).
-  __device__ __forceinline__ void mark_lanes(std::uint32_t kblocks, int tid, int threads) {
-    for (std::uint32_t kb = tid; kb < kblocks; kb += threads) {
-      std::uint32_t mask = 0, above = 0;  // above: the lanes at or below the last one seen
-      for (std::uint32_t i = data.staged.bucket[kb]; i < data.staged.bucket[kb + 1]; ++i) {
-        const std::uint32_t bit = 1u << patch_lane(data.staged.patches[i]);
-        if (above & bit) mask = kWalk;
-        if (mask != kWalk) mask |= bit;
-        above |= bit | (bit - 1);
-      }
-      data.staged.lanes[kb] = mask;
-    }
-  }
 
   // Buckets in use for K of kblocks 128-wide blocks.
   __device__ __forceinline__ static std::uint32_t buckets(std::uint32_t kblocks) {
@@ -340,10 +327,7 @@ struct BlockExceptions {
       first_row[0] = first0;
       first_row[1] = first1;
     }
-    for (std::uint32_t j = tid; j <= buckets(kblocks); j += threads) {
-      data.staged.bucket[j] = 0;
-      if (j < kBuckets) data.staged.lanes[j] = 0;  // no records: nothing to patch
-    }
+    for (std::uint32_t j = tid; j <= buckets(kblocks); j += threads) data.staged.bucket[j] = 0;
   }
 
   // Step 2, after it and before another: the row ranges; when the records
@@ -363,7 +347,7 @@ struct BlockExceptions {
         // Padding columns past K (none in encoder output) are never read.
         const std::uint32_t kb = col / kColsPerBlock, key = kb < kblocks ? kb : kSkip;
         data.staged.records[idx] =
-            key << 16 | exception_entry<F>(16 * run + (row - first_row[run]), col % kColsPerBlock, rec >> 24);
+            key << 16 | entry<F>(16 * run + (row - first_row[run]), col % kColsPerBlock, rec >> 24);
         if (key != kSkip) atomicAdd(&data.staged.bucket[kb % kBuckets + 1], 1u);
       }
     for (int r = tid; r < 32; r += threads) {
@@ -403,9 +387,7 @@ struct BlockExceptions {
   // Step 4, staged, before a barrier: the patch entries into their buckets.
   // Order within a bucket (shared atomics) does not matter: a grid position
   // has at most one record, so the patches of a bucket commute.
-  // The buckets then hold entries in no particular lane order: patch walks them.
-  __device__ __forceinline__ void scatter(std::uint32_t kblocks, int tid, int threads) {
-    for (std::uint32_t j = tid; j < buckets(kblocks); j += threads) data.staged.lanes[j] = kWalk;
+  __device__ __forceinline__ void scatter(int tid, int threads) {
     for (std::uint32_t idx = tid, n = count(); idx < n; idx += threads) {
       const std::uint32_t v = data.staged.records[idx], kb = v >> 16;
       if (kb != kSkip)
@@ -415,32 +397,22 @@ struct BlockExceptions {
   }
 
   // Staged: patches the gathered bytes u (LaneScales layout) of K block kb
-  // of the lane whose lane_key is `key` and lane bit `own` (1 << lane). A K
-  // block whose lanes hold at most one entry each (lanes[kb], the common
-  // case) costs two shared loads and a predicated byte permute per word, with
-  // no branch. Otherwise all lanes of the warp walk the bucket's entries (kb
-  // is warp-uniform), each one load, one masked compare and a predicated
-  // byte permute per word.
+  // of the lane whose lane_key is `key`. All lanes of a warp walk the same
+  // entries (kb is warp-uniform); each entry is one load, one masked compare
+  // and a predicated byte permute per word, without branches.
   template <int kWords>
-  __device__ __forceinline__ void patch(std::uint32_t kb, std::uint32_t key, std::uint32_t own,
+  __device__ __forceinline__ void patch(std::uint32_t kb, std::uint32_t key,
                                         std::uint32_t (&u)[kWords]) const {
-    const std::uint32_t j = kb % kBuckets, lanes = data.staged.lanes[j], begin = data.staged.bucket[j];
-    const auto apply = [&u](bool mine, uint2 v) {
-      u[0] = mine ? __byte_perm(u[0], v.y, v.x) : u[0];
-      if constexpr (kWords == 2) u[1] = mine ? __byte_perm(u[1], v.y, v.x >> 16) : u[1];
-    };
-    if (lanes != kWalk) {
-      // The lane's entry, if it holds one; any entry of the buffer otherwise.
-      const uint2 v = data.staged.patches[(begin + __popc(lanes & (own - 1))) % kCapacity];
-      apply((lanes & own) != 0, v);
-      return;
-    }
-    key |= (kb / kBuckets) << 5;
+    constexpr std::uint32_t kHigh = 1u << 21, kMatch = kKeyMask | kHigh;
+    const std::uint32_t j = kb % kBuckets;
+    key |= (kb / kBuckets) << 24;
     const uint2* const end = data.staged.patches + data.staged.bucket[j + 1];
 #pragma unroll 1
-    for (const uint2* en = data.staged.patches + begin; en != end; ++en) {
+    for (const uint2* en = data.staged.patches + data.staged.bucket[j]; en != end; ++en) {
       const uint2 v = *en;
-      apply(v.y >> 8 == key, v);
+      const std::uint32_t d = v.x ^ key;  // zero in kMatch: this lane's word 0
+      u[0] = (d & kMatch) == 0 ? __byte_perm(u[0], v.y, v.x) : u[0];
+      if constexpr (kWords == 2) u[1] = ((d ^ kHigh) & kMatch) == 0 ? __byte_perm(u[1], v.y, v.x) : u[1];
     }
   }
 };

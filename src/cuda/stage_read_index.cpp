@@ -68,9 +68,8 @@ StageReadIndex build_stage_read_index(const CsfGeometry& g, const IndexRows& row
   idx.block_bytes = index_block_bytes(idx.capacity, idx.kblocks);
   idx.bytes.assign(blocks * idx.block_bytes, 0);
 
-  // Pass 2: lay the row blocks out, ordered by K block, then lane, then record.
+  // Pass 2: lay the row blocks out (counting sort by K block, stable).
   std::vector<std::uint32_t> start(idx.kblocks + 1);
-  std::vector<std::uint64_t> order;
   for (std::uint64_t blk = 0; blk < blocks; ++blk) {
     std::uint8_t* out = idx.bytes.data() + blk * idx.block_bytes;
     std::uint8_t* offsets = out + 2 * idx.capacity;
@@ -84,12 +83,8 @@ StageReadIndex build_stage_read_index(const CsfGeometry& g, const IndexRows& row
     for (std::uint32_t kb : kbs) ++start[kb + 1];
     for (std::uint32_t kb = 0; kb < idx.kblocks; ++kb) start[kb + 1] += start[kb];
     for (std::uint32_t kb = 0; kb <= idx.kblocks; ++kb) offsets[kb] = std::uint8_t(start[kb]);
-    order.clear();  // sort keys: K block, lane, record
-    for (std::size_t i = 0; i < kbs.size(); ++i)
-      order.push_back(std::uint64_t(kbs[i]) << 40 | std::uint64_t(entry_lane(entry_of[blk][i])) << 32 | i);
-    std::sort(order.begin(), order.end());
-    for (std::size_t slot = 0; slot < order.size(); ++slot) {
-      const std::uint32_t v = entry_of[blk][std::uint32_t(order[slot])];
+    for (std::size_t i = 0; i < kbs.size(); ++i) {
+      const std::uint32_t slot = start[kbs[i]]++, v = entry_of[blk][i];
       out[2 * slot] = std::uint8_t(v);  // little-endian u16
       out[2 * slot + 1] = std::uint8_t(v >> 8);
     }

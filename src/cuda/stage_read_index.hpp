@@ -14,10 +14,9 @@
 //
 // Row-block layout (block_bytes, a multiple of 16): u16 entries[capacity],
 // then u8 offsets[kblocks + 1] (offsets[kb] = first entry of K block kb,
-// offsets[kblocks] = the count). Within a K block the entries are ordered by
-// the lane that patches them (entry_lane), then by record, so that a lane
-// holding one entry of a K block finds it by counting the lanes before it. A row block with more records than
-// capacity has offsets[0] = kIndexOverflow and nothing else; its decode blocks sort per block as before.
+// offsets[kblocks] = the count). A row block with more records than capacity
+// has offsets[0] = kIndexOverflow and nothing else; its decode blocks sort
+// per block as before.
 #pragma once
 
 #include <cstdint>
@@ -49,9 +48,6 @@ CSFMOE_HD std::uint32_t exception_entry(std::uint32_t br, std::uint32_t col_in_b
   const std::uint32_t p = F == ScaleFormat::nvfp4 ? 2 * c + col_in_block % 2 : c;
   return br % 8 | lane_t << 3 | p << 5 | v << 8;
 }
-
-// The decode lane (0..31) that patches entry `entry` (exception_entry): 4 g + t.
-CSFMOE_HD std::uint32_t entry_lane(std::uint32_t entry) { return 4 * (entry & 7u) + (entry >> 3 & 3u); }
 
 // The weight rows of a decode row block b: block row r < 16 is row
 // first_half + stride * b + r, block row r >= 16 is second_half + stride * b

@@ -363,9 +363,8 @@ class GpuMoe : public ::testing::Test {
 
 // The stage-read index (src/cuda/stage_read_index.hpp), built on the host:
 // runs without a GPU. Brute force: every record of a decode row block's 32
-// rows, as (K block, entry) ordered by K block, then patching lane, then
-// record, must be the row block's K-block buckets in order; counts above the
-// capacity must be marked.
+// rows, as (K block, entry) in record order, must be the row block's K-block
+// buckets in order; counts above the capacity must be marked.
 struct IndexCase {
   ScaleFormat f;
   ScaleLayout layout;
@@ -389,10 +388,7 @@ std::vector<std::pair<std::uint32_t, std::uint32_t>> expected_block(const CsfTen
       out.emplace_back(col / cols, en);
     }
   }
-  std::stable_sort(out.begin(), out.end(), [](auto& a, auto& b) {
-    const auto key = [](auto& p) { return std::pair(p.first, moe_detail::entry_lane(p.second)); };
-    return key(a) < key(b);
-  });
+  std::stable_sort(out.begin(), out.end(), [](auto& a, auto& b) { return a.first < b.first; });
   return out;
 }
 
@@ -463,14 +459,12 @@ TEST(StageReadIndex, BucketsEveryRecordOfEachDecodeRowBlock) {
 }
 
 TEST(StageReadIndex, EntryFieldsAndBadInputs) {
-  // Entry fields: lane g, lane t, byte index p, byte; the patching lane is
-  // 4 g + t (the decode kernel's lane / 4, lane % 4).
+  // Entry fields: lane g, lane t, byte index p, byte.
   for (std::uint32_t br = 0; br < 32; ++br)
     for (std::uint32_t cb = 0; cb < 8; ++cb) {
       const std::uint32_t n = moe_detail::exception_entry<ScaleFormat::nvfp4>(br, cb, 0xA5);
       EXPECT_EQ(n & 7u, br % 8);
       EXPECT_EQ(n >> 3 & 3u, cb / 2);
-      EXPECT_EQ(moe_detail::entry_lane(n), 4 * (br % 8) + cb / 2);
       EXPECT_EQ(n >> 5 & 7u, 2 * (br / 8) + cb % 2);
       EXPECT_EQ(n >> 8, 0xA5u);
       if (cb < 4) {
