@@ -569,12 +569,6 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
         issue_i = 0;
         for (int s = 0; s < ahead; ++s) issue();
       }
-      // Staged records need no state; the cursors restart with each pass.
-      LaneExceptions<F> exceptions;
-      if constexpr (kCsf) {
-        if (!exceptions_staged) exceptions.start(p.scales, *block_exceptions, tid, g);
-      }
-
       float acc[2][NT][4];
 #pragma unroll
       for (int i = 0; i < 2; ++i)
@@ -583,105 +577,119 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
 #pragma unroll
           for (int v = 0; v < 4; ++v) acc[i][n][v] = 0.0f;
 
-      // Passes of 8 tokens load the activations of the next K block while this
-      // one converts (16 registers; wider passes would spill): the loads are L2
-      // hits queued behind the weight stream, which the MMAs otherwise waited on.
-      constexpr bool kPrefetchActivations = CSFMOE_DECODE_ACT_PREFETCH && NT == 1;
-      uint4 x_next[NT][4];
-      const auto load_activations = [&](int i) {
-        const std::uint32_t kb = kblock_of(i);
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-          if (live(n))
-#pragma unroll
-            for (int w = 0; w < 4; ++w)
-              x_next[n][w] = __ldg(reinterpret_cast<const uint4*>(xrow[n] + kb * kDecodeKBlock + 8 * w));
-      };
-      if constexpr (kPrefetchActivations) {
-        if (my_blocks > 0) load_activations(0);
-      }
-      // One copy unit per step, its K blocks unrolled (pairs: the activation
-      // prefetch's registers alternate instead of being moved).
-      for (int i0 = 0; i0 < my_blocks; i0 += Copy) {
-#pragma unroll
-        for (int in_unit = 0; in_unit < Copy; ++in_unit) {
-          const int i = i0 + in_unit;
-          uint4 x[NT][4];
-          if constexpr (kPrefetchActivations) {
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-              for (int w = 0; w < 4; ++w) x[n][w] = x_next[n][w];
-            if (i + 1 < my_blocks) load_activations(i + 1);
-          }
-          if (in_unit == 0) {
-            // Pairs: the lanes' copies of the unit's slots meet at the second
-            // __syncwarp; the first keeps the new copies off slots that other
-            // lanes may still be reading.
-            if constexpr (Copy == 2) __syncwarp();
-            issue();
-            cp_async_wait<ahead>();
-            if constexpr (Copy == 2) __syncwarp();
-          }
-          const uint4* stage = my_ring + (consumed++ & (kDecodeStages - 1)) * kDecodeStageVecs;
-          uint4 wq[kDecodeChunksPerLane];
-#pragma unroll
-          for (int c = 0; c < kDecodeChunksPerLane; ++c) wq[c] = stage[c * 32];
-#if CSFMOE_DECODE_DIAG == 1
-          {  // memory only (scripts/gpu-diag-decode): the ring's traffic, no conversion, activations or MMAs
-            const uint4 sw = stage[kDecodeChunksPerLane * 32];
-            acc[0][0][0] += __uint_as_float((wq[0].x ^ wq[1].y ^ wq[2].z ^ wq[3].w ^ sw.x) & 0x3F800000u);
-            continue;
-          }
-#endif
+      // The pass's K blocks. CSF blocks get one copy of the loop per way of
+      // patching exceptions (staged buckets or per-lane cursors, a block-
+      // uniform choice), so the common staged loop carries neither the
+      // cursors' registers nor a branch between the two per K block.
+      const auto stream_kblocks = [&](auto staged_tag) {
+        constexpr bool kStaged = decltype(staged_tag)::value;
+        // Staged records need no state; the cursors restart with each pass.
+        LaneExceptions<F> exceptions;
+        if constexpr (kCsf && !kStaged) exceptions.start(p.scales, *block_exceptions, tid, g);
+
+        // Passes of 8 tokens load the activations of the next K block while this
+        // one converts (16 registers; wider passes would spill): the loads are L2
+        // hits queued behind the weight stream, which the MMAs otherwise waited on.
+        constexpr bool kPrefetchActivations = CSFMOE_DECODE_ACT_PREFETCH && NT == 1;
+        uint4 x_next[NT][4];
+        const auto load_activations = [&](int i) {
           const std::uint32_t kb = kblock_of(i);
-          // Scale pairs (s, s) per chunk and half of the lane's 32 values.
-          std::uint32_t sp[kDecodeChunksPerLane][2];
-          {
-            constexpr int kWords = LaneScales<F, K>::kWords;
-            std::uint32_t u[kWords];
-            lane_scales.gather(stage[kDecodeChunksPerLane * 32], kb, u);
-            if constexpr (kCsf) {
-              if (exceptions_staged)
+#pragma unroll
+          for (int n = 0; n < NT; ++n)
+            if (live(n))
+#pragma unroll
+              for (int w = 0; w < 4; ++w)
+                x_next[n][w] = __ldg(reinterpret_cast<const uint4*>(xrow[n] + kb * kDecodeKBlock + 8 * w));
+        };
+        if constexpr (kPrefetchActivations) {
+          if (my_blocks > 0) load_activations(0);
+        }
+        // One copy unit per step, its K blocks unrolled (pairs: the activation
+        // prefetch's registers alternate instead of being moved).
+        for (int i0 = 0; i0 < my_blocks; i0 += Copy) {
+#pragma unroll
+          for (int in_unit = 0; in_unit < Copy; ++in_unit) {
+            const int i = i0 + in_unit;
+            uint4 x[NT][4];
+            if constexpr (kPrefetchActivations) {
+#pragma unroll
+              for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int w = 0; w < 4; ++w) x[n][w] = x_next[n][w];
+              if (i + 1 < my_blocks) load_activations(i + 1);
+            }
+            if (in_unit == 0) {
+              // Pairs: the lanes' copies of the unit's slots meet at the second
+              // __syncwarp; the first keeps the new copies off slots that other
+              // lanes may still be reading.
+              if constexpr (Copy == 2) __syncwarp();
+              issue();
+              cp_async_wait<ahead>();
+              if constexpr (Copy == 2) __syncwarp();
+            }
+            const uint4* stage = my_ring + (consumed++ & (kDecodeStages - 1)) * kDecodeStageVecs;
+            uint4 wq[kDecodeChunksPerLane];
+#pragma unroll
+            for (int c = 0; c < kDecodeChunksPerLane; ++c) wq[c] = stage[c * 32];
+#if CSFMOE_DECODE_DIAG == 1
+            {  // memory only (scripts/gpu-diag-decode): the ring's traffic, no conversion, activations or
+               // MMAs
+              const uint4 sw = stage[kDecodeChunksPerLane * 32];
+              acc[0][0][0] += __uint_as_float((wq[0].x ^ wq[1].y ^ wq[2].z ^ wq[3].w ^ sw.x) & 0x3F800000u);
+              continue;
+            }
+#endif
+            const std::uint32_t kb = kblock_of(i);
+            // Scale pairs (s, s) per chunk and half of the lane's 32 values.
+            std::uint32_t sp[kDecodeChunksPerLane][2];
+            {
+              constexpr int kWords = LaneScales<F, K>::kWords;
+              std::uint32_t u[kWords];
+              lane_scales.gather(stage[kDecodeChunksPerLane * 32], kb, u);
+              if constexpr (kCsf && kStaged)
                 block_exceptions->patch(kb, lane_key, u);
-              else if (exceptions.due(kb))
-                exceptions.patch(p.scales, *block_exceptions, tid, g, kb, t, u);
-            }
-            scale_pairs<F>(u, sp);
-          }
-#pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            // Activations k = 8w..8w+7 of the lane's 32: pairs (0,4) (1,5) | (2,6) (3,7).
-            std::uint32_t b[NT][4];
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-              if (live(n)) {
-                const uint4 xv =
-                    kPrefetchActivations
-                        ? x[n][w]
-                        : __ldg(reinterpret_cast<const uint4*>(xrow[n] + kb * kDecodeKBlock + 8 * w));
-                b[n][0] = __byte_perm(xv.x, xv.z, 0x5410);
-                b[n][1] = __byte_perm(xv.x, xv.z, 0x7632);
-                b[n][2] = __byte_perm(xv.y, xv.w, 0x5410);
-                b[n][3] = __byte_perm(xv.y, xv.w, 0x7632);
-              }
+              else if constexpr (kCsf)
+                if (exceptions.due(kb)) exceptions.patch(p.scales, *block_exceptions, tid, g, kb, t, u);
+              scale_pairs<F>(u, sp);
             }
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-              const std::uint32_t qlo = (&wq[2 * mt].x)[w], qhi = (&wq[2 * mt + 1].x)[w];
-              std::uint32_t lo[4], hi[4];
-              dequant_words<F>(qlo, sp[2 * mt][w / 2], qhi, sp[2 * mt + 1][w / 2], lo, hi);
+            for (int w = 0; w < 4; ++w) {
+              // Activations k = 8w..8w+7 of the lane's 32: pairs (0,4) (1,5) | (2,6) (3,7).
+              std::uint32_t b[NT][4];
 #pragma unroll
               for (int n = 0; n < NT; ++n) {
                 if (live(n)) {
-                  mma_bf16(acc[mt][n], lo[0], hi[0], lo[1], hi[1], b[n][0], b[n][1]);
-                  mma_bf16(acc[mt][n], lo[2], hi[2], lo[3], hi[3], b[n][2], b[n][3]);
+                  const uint4 xv =
+                      kPrefetchActivations
+                          ? x[n][w]
+                          : __ldg(reinterpret_cast<const uint4*>(xrow[n] + kb * kDecodeKBlock + 8 * w));
+                  b[n][0] = __byte_perm(xv.x, xv.z, 0x5410);
+                  b[n][1] = __byte_perm(xv.x, xv.z, 0x7632);
+                  b[n][2] = __byte_perm(xv.y, xv.w, 0x5410);
+                  b[n][3] = __byte_perm(xv.y, xv.w, 0x7632);
+                }
+              }
+#pragma unroll
+              for (int mt = 0; mt < 2; ++mt) {
+                const std::uint32_t qlo = (&wq[2 * mt].x)[w], qhi = (&wq[2 * mt + 1].x)[w];
+                std::uint32_t lo[4], hi[4];
+                dequant_words<F>(qlo, sp[2 * mt][w / 2], qhi, sp[2 * mt + 1][w / 2], lo, hi);
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                  if (live(n)) {
+                    mma_bf16(acc[mt][n], lo[0], hi[0], lo[1], hi[1], b[n][0], b[n][1]);
+                    mma_bf16(acc[mt][n], lo[2], hi[2], lo[3], hi[3], b[n][2], b[n][3]);
+                  }
                 }
               }
             }
           }
         }
-      }
+      };
+      if (!kCsf || exceptions_staged)
+        stream_kblocks(std::true_type{});
+      else if constexpr (kCsf)
+        stream_kblocks(std::false_type{});
 
       // Partial sums of every warp meet in shared memory: over the drained
       // rings, or (a run) in their own region once the previous reduction has
