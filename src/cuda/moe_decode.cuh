@@ -632,8 +632,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
 #pragma unroll
             for (int c = 0; c < kDecodeChunksPerLane; ++c) wq[c] = stage[c * 32];
 #if CSFMOE_DECODE_DIAG == 1
-            {  // memory only (scripts/gpu-diag-decode): the ring's traffic, no conversion, activations or
-               // MMAs
+            {  // memory only (scripts/gpu-diag-decode): the ring's traffic, nothing computed from it
               const uint4 sw = stage[kDecodeChunksPerLane * 32];
               acc[0][0][0] += __uint_as_float((wq[0].x ^ wq[1].y ^ wq[2].z ^ wq[3].w ^ sw.x) & 0x3F800000u);
               continue;

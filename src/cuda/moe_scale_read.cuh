@@ -236,8 +236,8 @@ struct LaneScales {
 // kb: x = (kb / kBuckets) << 24 | (word of u) << 21 | lane key << 16 |
 // selector, y = the exception byte in all four bytes. The selector
 // (0x3210 with the patched byte's nibble set to 4) makes
-// __byte_perm(u[word], y, selector) replace that byte, as prmt reads only the
-// low 16 bits of its selector.
+// __byte_perm(u[word], y, selector) replace that byte: __byte_perm reads only
+// the low 3 bits of the selector's four low nibbles, not the key above them.
 struct BlockExceptions {
   static constexpr std::uint32_t kCapacity = 256;
   static constexpr std::uint32_t kBuckets = 256;
