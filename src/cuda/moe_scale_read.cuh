@@ -274,13 +274,6 @@ struct BlockExceptions {
                       ((entry >> 8) & 0xFFu) * 0x01010101u);
   }
 
-  // Entry of a record of block row br (0..31): exception_entry (stage_read_index.hpp).
-  template <ScaleFormat F>
-  __device__ __forceinline__ static std::uint32_t entry(std::uint32_t br, std::uint32_t col_in_block,
-                                                        std::uint32_t v) {
-    return exception_entry<F>(br, col_in_block, v);
-  }
-
   // Indexed path (ScaleSource::index), step 1, before a barrier: the row
   // block's index entry (stage_read_index.hpp) into the staged buckets and
   // patch entries, which it already holds sorted; it depends on nothing but
@@ -347,7 +340,7 @@ struct BlockExceptions {
         // Padding columns past K (none in encoder output) are never read.
         const std::uint32_t kb = col / kColsPerBlock, key = kb < kblocks ? kb : kSkip;
         data.staged.records[idx] =
-            key << 16 | entry<F>(16 * run + (row - first_row[run]), col % kColsPerBlock, rec >> 24);
+            key << 16 | exception_entry<F>(16 * run + (row - first_row[run]), col % kColsPerBlock, rec >> 24);
         if (key != kSkip) atomicAdd(&data.staged.bucket[kb % kBuckets + 1], 1u);
       }
     for (int r = tid; r < 32; r += threads) {
