@@ -29,3 +29,19 @@ csfmoe_build() {
   cmake "${cmake_args[@]}"
   cmake --build "$build" -j "$(nproc)" "$@"
 }
+
+# Device machine (no package registry): when the build's -dev packages are
+# missing, unpacks the .deb files carried in $1/.devdeps (scripts/stage-device)
+# into /tmp/csfmoe-deps and points CMake and the loader at them.
+csfmoe_device_deps() {
+  local root=$1
+  [[ -f /usr/include/fmt/core.h ]] && return 0
+  local prefix=/tmp/csfmoe-deps deb z
+  mkdir -p $prefix
+  for deb in "$root"/.devdeps/*.deb; do dpkg-deb -x "$deb" $prefix; done
+  local lib=$prefix/usr/lib/x86_64-linux-gnu
+  # zlib1g-dev's libz.so is an absolute link to the packaging system's libz.
+  z=$(ls $prefix/lib/x86_64-linux-gnu/libz.so.1.* $prefix/usr/lib/x86_64-linux-gnu/libz.so.1.* 2>/dev/null | head -1)
+  [[ -e $lib/libz.so ]] || ln -sf "$z" $lib/libz.so
+  export CMAKE_PREFIX_PATH=$prefix/usr LD_LIBRARY_PATH=$lib:$prefix/lib/x86_64-linux-gnu
+}
