@@ -27,7 +27,7 @@
 #include "csfmoe/codec.hpp"
 #include "csfmoe/device_codec.hpp"
 #include "csfmoe/synthetic.hpp"
-#include "cuda/cuda_check.hpp"
+#include "cuda/primitives/cuda_check.hpp"
 
 using namespace csfmoe;
 

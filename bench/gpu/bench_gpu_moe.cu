@@ -57,7 +57,7 @@
 using namespace csfmoe;
 
 #if CSFMOE_DECODE_TIMELINE
-namespace csfmoe::moe_detail {  // src/cuda/moe_gemm_decode.cu, diagnostic builds
+namespace csfmoe::moe_detail {  // src/cuda/moe/decode_launch.cu, diagnostic builds
 void decode_timeline_reset();
 unsigned decode_timeline_dump(std::FILE* f, const char* label);
 }  // namespace csfmoe::moe_detail

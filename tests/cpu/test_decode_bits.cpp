@@ -1,4 +1,4 @@
-// The decode kernel's bit-level conversions (src/cuda/moe_decode_bits.cuh),
+// The decode kernel's bit-level conversions (src/cuda/moe/dequant.cuh),
 // compiled for the host: every E2M1 nibble pair at every position, every
 // scale byte alone and in packed words, against the format decoders.
 #include <gtest/gtest.h>
@@ -9,7 +9,7 @@
 #include <random>
 
 #include "csfmoe/formats.hpp"
-#include "cuda/moe_decode_bits.cuh"
+#include "cuda/moe/dequant.cuh"
 #include "test_seed.hpp"
 
 namespace csfmoe::moe_detail::decode_bits {

@@ -21,8 +21,8 @@
 #include "csfmoe/errors.hpp"
 #include "csfmoe/memory.hpp"
 #include "csfmoe/synthetic.hpp"
-#include "cuda/cuda_check.hpp"
-#include "cuda/strf.hpp"
+#include "cuda/primitives/cuda_check.hpp"
+#include "cuda/primitives/strf.hpp"
 #include "test_seed.hpp"
 
 namespace csfmoe {

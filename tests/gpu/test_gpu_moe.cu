@@ -16,8 +16,8 @@
 #include "csfmoe/errors.hpp"
 #include "csfmoe/moe.hpp"
 #include "csfmoe/moe_cuda.hpp"
-#include "cuda/moe_decode.cuh"
-#include "cuda/stage_read_index.hpp"
+#include "cuda/moe/decode_kernel.cuh"
+#include "moe/stage_read_index.hpp"
 #include "test_seed.hpp"
 
 namespace csfmoe {
@@ -361,7 +361,7 @@ class GpuMoe : public ::testing::Test {
   void SetUp() override { REQUIRE_GPU(); }
 };
 
-// The stage-read index (src/cuda/stage_read_index.hpp), built on the host:
+// The stage-read index (src/moe/stage_read_index.hpp), built on the host:
 // runs without a GPU. Brute force: every record of a decode row block's 32
 // rows, as (K block, entry) in record order, must be the row block's K-block
 // buckets in order; counts above the capacity must be marked.

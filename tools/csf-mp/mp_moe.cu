@@ -17,7 +17,7 @@
 
 #include "csfmoe/errors.hpp"
 #include "csfmoe/moe_nccl.hpp"
-#include "cuda/strf.hpp"
+#include "cuda/primitives/strf.hpp"
 
 using namespace csfmoe;
 

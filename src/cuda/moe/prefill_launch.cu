@@ -2,8 +2,8 @@
 #include <string>
 
 #include "csfmoe/errors.hpp"
-#include "cuda/launch.cuh"
-#include "cuda/moe_prefill.cuh"
+#include "cuda/primitives/launch.cuh"
+#include "cuda/moe/prefill_kernel.cuh"
 
 namespace csfmoe::moe_detail {
 

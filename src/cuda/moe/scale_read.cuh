@@ -5,8 +5,8 @@
 
 #include <cstdint>
 
-#include "cuda/moe_kernels.cuh"
-#include "cuda/stage_read_index.hpp"
+#include "cuda/moe/launchers.hpp"
+#include "moe/stage_read_index.hpp"
 
 namespace csfmoe::moe_detail {
 
@@ -91,7 +91,7 @@ __device__ __forceinline__ std::uint8_t csf_fixed_scale(const ScaleSource& s, in
 // row 16i + g + 8h, g = lane / 4 (the two m16 MMA row tiles of the block).
 __device__ __forceinline__ int decode_lane_row(int c, int g) { return 16 * (c / 2) + g + 8 * (c % 2); }
 
-// The block-scale bytes one decode lane (src/cuda/moe_decode.cuh) needs per
+// The block-scale bytes one decode lane (src/cuda/moe/decode_kernel.cuh) needs per
 // 128-wide K block kb, streamed through its cp.async ring. Lane t of a quad
 // covers K 32t..32t+31 of each of its four rows c = 0..3 per K block: NVFP4
 // scale columns 8kb + 2t and 8kb + 2t + 1, MXFP4 column 4kb + t. The lane

@@ -4,7 +4,7 @@
 // At prefill sizes an expert sees tens to hundreds of tokens and the layer
 // is bound by tensor throughput, which on sm_90 only wgmma reaches. The
 // kernel keeps the decode kernel's operand roles and dequantization
-// (src/cuda/moe_decode.cuh) and swaps mma.sync for wgmma:
+// (src/cuda/moe/decode_kernel.cuh) and swaps mma.sync for wgmma:
 //
 //  * Operands. Weight rows are wgmma's M side, taken from registers (the RS
 //    form): each thread dequantizes exactly the A fragment it owns, so the
@@ -24,7 +24,7 @@
 //    scale words and the 64 activation rows of the tile); one barrier per K
 //    block. Each warpgroup issues 16 wgmmas per K block, dequantizing the
 //    next fragment while the tensor cores work on the previous ones.
-//  * Scales. LaneScales (src/cuda/moe_scale_read.cuh) with the thread's four
+//  * Scales. LaneScales (src/cuda/moe/scale_read.cuh) with the thread's four
 //    rows, converted by the decode kernel's scale_pairs: identical bits.
 //    Dense grids only (native, expanded and routed modes); the layer runs
 //    stage-read CSF calls on the decode kernel.
@@ -38,8 +38,8 @@
 
 #include <cstdint>
 
-#include "cuda/moe_decode.cuh"
-#include "cuda/moe_decode_bits.cuh"
+#include "cuda/moe/decode_kernel.cuh"
+#include "cuda/moe/dequant.cuh"
 
 namespace csfmoe::moe_detail {
 

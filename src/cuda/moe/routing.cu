@@ -4,8 +4,8 @@
 // allocation, deterministic (the only atomics count, and counts commute).
 #include <cub/block/block_scan.cuh>
 
-#include "cuda/launch.cuh"
-#include "cuda/moe_kernels.cuh"
+#include "cuda/primitives/launch.cuh"
+#include "cuda/moe/launchers.hpp"
 
 namespace csfmoe::moe_detail {
 

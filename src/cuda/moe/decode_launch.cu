@@ -4,8 +4,8 @@
 #include <string>
 
 #include "csfmoe/errors.hpp"
-#include "cuda/launch.cuh"
-#include "cuda/moe_decode.cuh"
+#include "cuda/primitives/launch.cuh"
+#include "cuda/moe/decode_kernel.cuh"
 
 namespace csfmoe::moe_detail {
 

@@ -1,6 +1,6 @@
 // Instantiations and dispatch table of the grouped MoE GEMMs.
-#include "cuda/launch.cuh"
-#include "cuda/moe_gemm.cuh"
+#include "cuda/primitives/launch.cuh"
+#include "cuda/moe/tiled_kernel.cuh"
 
 namespace csfmoe::moe_detail {
 

@@ -1,5 +1,5 @@
 // Load-time index of a CSF tensor's exception records for the decode kernel's
-// stage-read path (src/cuda/moe_decode.cuh, BlockExceptions).
+// stage-read path (src/cuda/moe/decode_kernel.cuh, BlockExceptions).
 //
 // Without it, every decode block reads its rows' record ranges (row_prefix),
 // then the records, then sorts them into K-block buckets behind three

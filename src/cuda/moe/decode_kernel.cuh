@@ -22,7 +22,7 @@
 //    copied for it: 128 contiguous bytes of a row per request rather than 64
 //    feed DRAM better (bench/RESULTS.md, "paired ring copies"). Otherwise
 //    each lane copies and reads back only its own chunks, with no barrier.
-//  * E2M1 -> BF16 with bit operations (src/cuda/moe_decode_bits.cuh). Nibble
+//  * E2M1 -> BF16 with bit operations (src/cuda/moe/dequant.cuh). Nibble
 //    j and j+4 of a 32-bit word sit at the same offset of the two 16-bit
 //    halves, so one mask, one integer multiply (two non-overlapping copies of
 //    the nibble) and one mask make a bf16 pair. Placing the 3 magnitude bits
@@ -38,7 +38,7 @@
 //    SM and its fill dominated short blocks: 2x slower. docs/performance.md.)
 //  * Scales in the ring. Each lane copies, next to its weight chunks, the
 //    one aligned word per row and K block that holds the block-scale bytes
-//    it needs (LaneScales, src/cuda/moe_scale_read.cuh: the scale quad of a
+//    it needs (LaneScales, src/cuda/moe/scale_read.cuh: the scale quad of a
 //    dense or swizzled grid, the offset word of CSF), and converts them in the
 //    loop: gather the bytes of two rows into one word, four bytes to bf16 by
 //    bit assembly, words holding a subnormal or NaN code by the exact
@@ -73,10 +73,10 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cuda/launch.cuh"
-#include "cuda/moe_decode_bits.cuh"
-#include "cuda/moe_kernels.cuh"
-#include "cuda/moe_scale_read.cuh"
+#include "cuda/primitives/launch.cuh"
+#include "cuda/moe/dequant.cuh"
+#include "cuda/moe/launchers.hpp"
+#include "cuda/moe/scale_read.cuh"
 
 // Diagnostic builds only (scripts/gpu-diag-decode): CSFMOE_DECODE_DIAG=1 keeps
 // the weight and scale stream of the ring and drops everything computed from
@@ -203,7 +203,7 @@ CSFMOE_HD DecodeSmem decode_smem(std::uint32_t warps, std::uint32_t nt, bool csf
 #if CSFMOE_DECODE_TIMELINE
 // One decode block's timeline (ns, %globaltimer): entry, after the gate/up
 // GEMM's wait, prologue done (rows and records staged), after the down GEMM's
-// wait, exit. Read back by decode_timeline_dump (moe_gemm_decode.cu).
+// wait, exit. Read back by decode_timeline_dump (decode_launch.cu).
 struct DecodeTimelineEvent {
   unsigned long long t[5];
   unsigned sm, gate_up, tile, row_block_group, valid;

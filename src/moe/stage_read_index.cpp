@@ -1,5 +1,5 @@
 // Host builder of the stage-read exception index (stage_read_index.hpp).
-#include "cuda/stage_read_index.hpp"
+#include "moe/stage_read_index.hpp"
 
 #include <fmt/core.h>
 

@@ -1,6 +1,6 @@
-// Internal interface between the MoE host code (moe_layer.cu) and the kernel
-// families (moe_routing.cu, moe_gemm.cu, moe_combine.cu). Launchers take
-// checked arguments; each family dispatches through one table.
+// Internal interface between the MoE host code (layer.cpp) and the kernel
+// families (routing.cu, tiled_launch.cu, decode_launch.cu, prefill_launch.cu,
+// combine.cu). Launchers take checked arguments; each family dispatches through one table.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -83,9 +83,9 @@ struct GemmParams {
   std::uint32_t row_block_run = 1;
 };
 
-// Which GEMM kernel runs a call: the tiled kernel (moe_gemm.cuh), the
-// weight-streaming decode kernel (moe_decode.cuh) with token passes of 8, 16
-// or 32, or the Hopper wgmma prefill kernel (moe_prefill.cuh).
+// Which GEMM kernel runs a call: the tiled kernel (tiled_kernel.cuh), the
+// weight-streaming decode kernel (decode_kernel.cuh) with token passes of 8, 16
+// or 32, or the Hopper wgmma prefill kernel (prefill_kernel.cuh).
 enum class GemmPath : int { tiled = 0, decode_8 = 1, decode_16 = 2, decode_32 = 3, prefill = 4 };
 
 void launch_gate_up(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t stream);

@@ -1,5 +1,5 @@
-// Bit-level conversions of the decode kernel (src/cuda/moe_decode.cuh), and
-// the K order the prefill kernel (src/cuda/moe_prefill.cuh) shares with it.
+// Bit-level conversions of the decode kernel (src/cuda/moe/decode_kernel.cuh), and
+// the K order the prefill kernel (src/cuda/moe/prefill_kernel.cuh) shares with it.
 //
 // Plain integer code, host and device, so that the CPU tests can check every
 // input exhaustively (tests/cpu/test_decode_bits.cpp) against the format
@@ -84,7 +84,7 @@ CSFMOE_HD std::uint32_t scale_splat_bf16(std::uint32_t v) {
     return b * 0x00800080u;
 }
 
-// The prefill kernel's K permutation (src/cuda/moe_prefill.cuh), the decode
+// The prefill kernel's K permutation (src/cuda/moe/prefill_kernel.cuh), the decode
 // kernel's lane order written out, within a 128-wide K block: the
 // activations are stored permuted so that shared memory can be filled with
 // plain 16-byte copies. Logical position l (the

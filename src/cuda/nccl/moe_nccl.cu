@@ -14,8 +14,8 @@
 
 #include "csfmoe/errors.hpp"
 #include "csfmoe/moe_nccl.hpp"
-#include "cuda/cuda_check.hpp"
-#include "cuda/strf.hpp"
+#include "cuda/primitives/cuda_check.hpp"
+#include "cuda/primitives/strf.hpp"
 
 namespace csfmoe {
 namespace fs = std::filesystem;

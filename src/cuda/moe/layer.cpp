@@ -9,8 +9,8 @@
 
 #include "csfmoe/errors.hpp"
 #include "csfmoe/moe_cuda.hpp"
-#include "cuda/moe_kernels.cuh"
-#include "cuda/stage_read_index.hpp"
+#include "cuda/moe/launchers.hpp"
+#include "moe/stage_read_index.hpp"
 
 namespace csfmoe {
 

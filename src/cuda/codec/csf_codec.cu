@@ -14,9 +14,9 @@
 
 #include "csfmoe/device_codec.hpp"
 #include "csfmoe/errors.hpp"
-#include "cuda/csf_codec.cuh"
-#include "cuda/cuda_check.hpp"
-#include "cuda/strf.hpp"
+#include "cuda/codec/csf_codec.cuh"
+#include "cuda/primitives/cuda_check.hpp"
+#include "cuda/primitives/strf.hpp"
 
 namespace csfmoe {
 

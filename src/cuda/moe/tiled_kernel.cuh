@@ -15,9 +15,9 @@
 #include <cuda_bf16.h>
 #include <mma.h>
 
-#include "cuda/launch.cuh"
-#include "cuda/moe_kernels.cuh"
-#include "cuda/moe_scale_read.cuh"
+#include "cuda/primitives/launch.cuh"
+#include "cuda/moe/launchers.hpp"
+#include "cuda/moe/scale_read.cuh"
 
 namespace csfmoe::moe_detail {
 

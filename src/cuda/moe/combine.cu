@@ -3,8 +3,8 @@
 // fixed and the result identical run to run (no atomics).
 #include <cuda_bf16.h>
 
-#include "cuda/launch.cuh"
-#include "cuda/moe_kernels.cuh"
+#include "cuda/primitives/launch.cuh"
+#include "cuda/moe/launchers.hpp"
 
 namespace csfmoe::moe_detail {
 
