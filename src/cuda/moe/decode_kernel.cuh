@@ -73,10 +73,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cuda/primitives/launch.cuh"
 #include "cuda/moe/dequant.cuh"
 #include "cuda/moe/launchers.hpp"
 #include "cuda/moe/scale_read.cuh"
+#include "cuda/primitives/launch.cuh"
+#include "moe/decode_shape.hpp"
 
 // Diagnostic builds only (scripts/gpu-diag-decode): CSFMOE_DECODE_DIAG=1 keeps
 // the weight and scale stream of the ring and drops everything computed from
@@ -104,101 +105,10 @@
 
 namespace csfmoe::moe_detail {
 
-constexpr int kDecodeMaxWarps = 8;
-constexpr int kDecodeRows = 32;          // weight rows per block: 2 MMA row tiles of 16
-constexpr int kDecodeStages = 4;         // cp.async ring depth per warp (K blocks in flight), a power of 2
-constexpr int kDecodeKBlock = 128;       // K per lane quad and step: 4 lanes x 32 values
-constexpr int kDecodeChunksPerLane = 4;  // 16-byte chunks per lane and K block (4 rows)
-
-// Per-warp ring stage: the lanes' weight chunks, then one uint4 of scale
-// source words per lane.
-constexpr int kDecodeStageVecs = (kDecodeChunksPerLane + 1) * 32;
 static_assert(kDecodeMaxWarps * 32 <= BlockExceptions::kMaxThreads,
               "LaneExceptions keeps a cursor per thread");
-
-// Host and device agree on the dynamic shared memory layout through these.
-struct DecodeSmem {
-  std::uint32_t ring_bytes = 0;  // per-warp rings (one row block: later the partial sums)
-  std::uint32_t partial_at = 0;  // the partial sums: 0 (over the dead rings) or their own region
-  std::uint32_t total = 0;
-};
-
-// Block shape of the decode kernel: how many warps split a block's K blocks.
-// Measured on the H200 (docs/performance.md): every block pays a start-up
-// (tile expert, routing rows, first ring stage: a few DRAM latencies) and a
-// barrier-bound epilogue, so warps should stream many K blocks; but a launch
-// that fills the GPU's warp slots only about once runs slower than one of
-// about two waves, and warps of very few K blocks lose again. Defaults:
-// about 28 K blocks per warp, then more warps while the launch fills fewer
-// than 2 waves and each warp keeps at least 3 K blocks (3 rather than 4 lets
-// Qwen3-30B-A3B's down GEMM, K = 6 K blocks, use 2 warps at T = 1: 23.7
-// against 27.8 us per call; no other measured shape changes).
-struct DecodeShapeRule {
-  std::uint32_t kblocks_per_warp = 28;
-  std::uint32_t min_kblocks_per_warp = 3;
-  std::uint32_t waves = 2;
-};
-
-// Warps per block for a launch of about `blocks` blocks over `kblocks` K
-// blocks on `sm_count` SMs (2 blocks x 8 warps per SM by registers).
-CSFMOE_HD std::uint32_t decode_warps(std::uint32_t kblocks, std::uint64_t blocks, std::uint32_t sm_count,
-                                     const DecodeShapeRule& rule = {}) {
-  std::uint32_t w = 1;
-  while (w < kDecodeMaxWarps && 2 * w * rule.kblocks_per_warp <= kblocks) w *= 2;
-  const std::uint64_t slots = std::uint64_t(sm_count) * 2 * kDecodeMaxWarps * rule.waves;
-  while (w < kDecodeMaxWarps && blocks * w < slots && 2 * w * rule.min_kblocks_per_warp <= kblocks) w *= 2;
-  return w;
-}
-
-// Whether a launch's blocks can stream runs of row blocks: the kernel allows
-// them (`can_run`: dense scales, as a CSF block stages its rows' exception
-// records once, and passes of 8 tokens, as the partial sums then need their
-// own 8 KB per 8 warps) and every warp holds at least kDecodeStages K blocks
-// (the stream's first stages, issued before the block knows its token passes,
-// stay inside the first pass).
-CSFMOE_HD bool decode_runs_possible(bool can_run, std::uint32_t warps_per_block, std::uint32_t kblocks) {
-  return can_run && kblocks >= warps_per_block * kDecodeStages;
-}
-
-// Row blocks a block streams in turn (decode_launch), for a launch of
-// `blocks` blocks (one row block each) of `warps_per_block` warps over
-// `kblocks` K blocks. Measured on the H200 (bench/RESULTS.md, "runs of row
-// blocks, fixed rule"): runs of 2 help the wide blocks of launches of several
-// waves, i.e. DeepSeek-V3 and Kimi K2 at T = 1 (9 routing tiles: gate/up 4
-// warps x 14 K blocks, 2.2 waves; down 4 warps x 4 K blocks, 3.8 waves): 90.0
-// -> 84.1 us per call. They cost in 2-warp blocks (T >= 2; Qwen3-30B-A3B T = 8:
-// 77.2 -> 82.6 us), in launches under a wave (Qwen3-30B-A3B T = 1), and runs
-// of 4 or 8 cost everywhere.
-CSFMOE_HD std::uint32_t decode_row_block_run(bool can_run, std::uint32_t warps_per_block,
-                                             std::uint32_t kblocks, std::uint64_t blocks,
-                                             std::uint32_t sm_count) {
-  if (!decode_runs_possible(can_run, warps_per_block, kblocks)) return 1;
-  const std::uint64_t warp_slots = std::uint64_t(sm_count) * 2 * kDecodeMaxWarps;
-  return warps_per_block >= 4 && 2 * blocks * warps_per_block >= 3 * warp_slots ? 2 : 1;
-}
-
-// K blocks a decode warp copies into its ring at once: 2 (one request per 4
-// rows x 128 contiguous bytes) where the block's warps get whole pairs of K
-// blocks, the same number each, else 1. Measured on the H200: bench/RESULTS.md,
-// "paired ring copies".
-CSFMOE_HD std::uint32_t decode_copy_kblocks(std::uint32_t warps_per_block, std::uint32_t kblocks) {
-  return kblocks % (2 * warps_per_block) == 0 ? 2 : 1;
-}
-
-// Shared memory of a decode block of `warps` warps and token passes of 8 *
-// nt; CSF blocks also stage their exception records (BlockExceptions). A
-// block streaming a run of row blocks keeps its rings running through each
-// row block's reduction, so its partial sums get their own region.
-CSFMOE_HD DecodeSmem decode_smem(std::uint32_t warps, std::uint32_t nt, bool csf, bool run = false) {
-  DecodeSmem s;
-  const std::uint32_t ring = warps * kDecodeStages * kDecodeStageVecs * 16;
-  const std::uint32_t partial = warps * kDecodeRows * 8 * nt * 4;
-  s.ring_bytes = run || ring > partial ? ring : partial;
-  const std::uint32_t rest = s.ring_bytes + kTileM * 4 + (csf ? std::uint32_t(sizeof(BlockExceptions)) : 0u);
-  s.partial_at = run ? rest : 0u;
-  s.total = rest + (run ? partial : 0u);
-  return s;
-}
+static_assert(sizeof(BlockExceptions) == kDecodeExceptionStagingBytes,
+              "decode_smem (decode_shape.hpp) sizes the CSF staging area");
 
 #if CSFMOE_DECODE_TIMELINE
 // One decode block's timeline (ns, %globaltimer): entry, after the gate/up

@@ -9,19 +9,14 @@
 
 #include "csfmoe/device_codec.hpp"
 #include "csfmoe/formats.hpp"
+#include "moe/routing_tiles.hpp"
 
 namespace csfmoe::moe_detail {
 
-constexpr int kTileM = 64;  // rows (token slots, padded per expert) per tile
 constexpr int kTileN = 64;  // output rows of the weight per tile
 constexpr int kTileK = 64;  // K slice
 constexpr int kGemmThreads = 128;
 constexpr int kRouteThreads = 1024;
-
-// Upper bound on the padded tiles of a call with `slots` = T * k slots.
-inline std::uint64_t max_tiles(std::uint64_t slots, std::uint32_t experts) {
-  return (slots + kTileM - 1) / kTileM + (slots < experts ? slots : experts);
-}
 
 // Token permutation written by the routing kernel.
 struct Routing {
