@@ -19,14 +19,9 @@
 #include <string>
 #include <vector>
 
-namespace {
+#include "cuda/primitives/cuda_check.hpp"
 
-void ck(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "bench_stream_probe: %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
+namespace {
 
 // Every thread reads kUnroll independent 16-byte words per step, grid-stride
 // over the region; the XOR keeps the loads alive, the impossible store keeps
@@ -57,7 +52,7 @@ float median(std::vector<float> v) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   int iters = 30;
   const char* json = nullptr;
   for (int i = 1; i < argc; ++i) {
@@ -76,23 +71,23 @@ int main(int argc, char** argv) {
     return 0;
   }
   cudaDeviceProp prop{};
-  ck(cudaGetDeviceProperties(&prop, 0), "properties");
+  CSFMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const std::size_t pool = std::size_t{4} << 30;  // regions rotate through it: every read is cold in L2
   unsigned char* buf = nullptr;
   unsigned* sink = nullptr;
-  ck(cudaMalloc(&buf, pool), "alloc");
-  ck(cudaMalloc(&sink, 4), "alloc");
-  ck(cudaMemset(buf, 0x5A, pool), "memset");
+  CSFMOE_CUDA_CHECK(cudaMalloc(&buf, pool));
+  CSFMOE_CUDA_CHECK(cudaMalloc(&sink, 4));
+  CSFMOE_CUDA_CHECK(cudaMemset(buf, 0x5A, pool));
   cudaEvent_t a, b;
-  ck(cudaEventCreate(&a), "event");
-  ck(cudaEventCreate(&b), "event");
+  CSFMOE_CUDA_CHECK(cudaEventCreate(&a));
+  CSFMOE_CUDA_CHECK(cudaEventCreate(&b));
   const auto time_us = [&](auto&& fn) {
-    ck(cudaEventRecord(a), "record");
+    CSFMOE_CUDA_CHECK(cudaEventRecord(a));
     fn();
-    ck(cudaEventRecord(b), "record");
-    ck(cudaEventSynchronize(b), "sync");
+    CSFMOE_CUDA_CHECK(cudaEventRecord(b));
+    CSFMOE_CUDA_CHECK(cudaEventSynchronize(b));
     float ms = 0;
-    ck(cudaEventElapsedTime(&ms, a, b), "elapsed");
+    CSFMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
     return ms * 1e3f;
   };
 
@@ -101,7 +96,7 @@ int main(int argc, char** argv) {
   const std::size_t half = pool / 2;
   for (int i = 0; i < 12; ++i) {
     const float us =
-        time_us([&] { ck(cudaMemcpyAsync(buf + half, buf, half, cudaMemcpyDeviceToDevice), "copy"); });
+        time_us([&] { CSFMOE_CUDA_CHECK(cudaMemcpyAsync(buf + half, buf, half, cudaMemcpyDeviceToDevice)); });
     if (i >= 2) t.push_back(us);
   }
   const double copy_gbs = 2.0 * double(half) / (double(median(t)) * 1e-6) / 1e9;
@@ -127,7 +122,7 @@ int main(int argc, char** argv) {
             read_linear<<<grid, threads>>>(reinterpret_cast<const uint4*>(buf + region * bytes), bytes / 16,
                                            sink);
         });
-        ck(cudaGetLastError(), "launch");
+        CSFMOE_CUDA_CHECK_LAUNCH("read_linear launch");
         if (i >= 3) times.push_back(us / kBatch);
       }
       const double us = median(times), ideal_us = double(bytes) / (copy_gbs * 1e9) * 1e6;
@@ -145,4 +140,13 @@ int main(int argc, char** argv) {
   }
   if (out) std::fclose(out);
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_stream_probe: %s\n", e.what());
+    return 1;
+  }
 }

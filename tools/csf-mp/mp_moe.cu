@@ -17,24 +17,17 @@
 
 #include "csfmoe/errors.hpp"
 #include "csfmoe/moe_nccl.hpp"
-#include "cuda/primitives/strf.hpp"
+#include "cuda/primitives/cuda_check.hpp"
 
 using namespace csfmoe;
 
 namespace {
 
-// nvcc cannot build fmt's compile-time format checks: strf.hpp formats at run time.
-using cuda_detail::strf;
-
-void ck(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw CudaError(strf("{}: {}", what, cudaGetErrorString(e)));
-}
-
 template <class T>
 T* upload(const std::vector<T>& v) {
   void* p = nullptr;
-  ck(cudaMalloc(&p, std::max<std::size_t>(v.size(), 1) * sizeof(T)), "cudaMalloc");
-  ck(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
+  CSFMOE_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(v.size(), 1) * sizeof(T)));
+  CSFMOE_CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
   return static_cast<T*>(p);
 }
 
@@ -63,7 +56,7 @@ struct Layer {
     w = std::make_unique<MoeWeights>(prepare_weights(plan, d, nullptr, s));
     MoeWorkspace ws;
     ws.bytes = moe_workspace_bytes(plan, max_tokens);
-    ck(cudaMalloc(&ws.data, std::max<std::uint64_t>(ws.bytes, 256)), "cudaMalloc workspace");
+    CSFMOE_CUDA_CHECK(cudaMalloc(&ws.data, std::max<std::uint64_t>(ws.bytes, 256)));
     owned.push_back(ws.data);
     b = std::make_unique<BoundMoe>(bind(*w, s, max_tokens, ws, false));
   }
@@ -115,11 +108,11 @@ int main(int argc, char** argv) {
     }
     const std::uint32_t max_t = *std::max_element(tokens.begin(), tokens.end());
     int ndev = 0;
-    ck(cudaGetDeviceCount(&ndev), "cudaGetDeviceCount");
+    CSFMOE_CUDA_CHECK(cudaGetDeviceCount(&ndev));
     if (device < 0) device = rank % std::max(ndev, 1);
     NcclContext ctx = nccl_init_from_file(id_file, rank, world, device);
     cudaStream_t s;
-    ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    CSFMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     const ScaleFormat f = parse_scale_format(format);
     const MoeLayerGeometry g{E, H, N, k, GateUpOrder::w13};
     // Every rank draws the same layer (same seed) and keeps its part.
@@ -152,14 +145,14 @@ int main(int argc, char** argv) {
     auto* dids = upload(hid);
     auto* dw = upload(hw);
     std::uint16_t *dout = nullptr, *dref = nullptr;
-    ck(cudaMalloc(&dout, hx.size() * 2), "cudaMalloc out");
-    ck(cudaMalloc(&dref, hx.size() * 2), "cudaMalloc ref");
+    CSFMOE_CUDA_CHECK(cudaMalloc(&dout, hx.size() * 2));
+    CSFMOE_CUDA_CHECK(cudaMalloc(&dref, hx.size() * 2));
     float* barrier = nullptr;
-    ck(cudaMalloc(&barrier, 4), "cudaMalloc barrier");
+    CSFMOE_CUDA_CHECK(cudaMalloc(&barrier, 4));
     auto sync_all = [&] {
       if (ncclAllReduce(barrier, barrier, 1, ncclFloat32, ncclSum, ctx.comm, s) != ncclSuccess)
         throw CudaError("barrier all-reduce failed");
-      ck(cudaStreamSynchronize(s), "sync");
+      CSFMOE_CUDA_CHECK(cudaStreamSynchronize(s));
     };
     auto call = [&](std::uint32_t T) {
       if (mode == "tp")
@@ -168,18 +161,18 @@ int main(int argc, char** argv) {
         ep->run(dx, T, dids, IndexType::int32, dw, dout);
     };
     cudaEvent_t e0, e1;
-    ck(cudaEventCreate(&e0), "event");
-    ck(cudaEventCreate(&e1), "event");
+    CSFMOE_CUDA_CHECK(cudaEventCreate(&e0));
+    CSFMOE_CUDA_CHECK(cudaEventCreate(&e1));
     auto time_it = [&](auto&& fn) {
       std::vector<float> ms;
       for (std::uint32_t i = 0; i < iters + 3; ++i) {
         sync_all();
-        ck(cudaEventRecord(e0, s), "record");
+        CSFMOE_CUDA_CHECK(cudaEventRecord(e0, s));
         fn();
-        ck(cudaEventRecord(e1, s), "record");
-        ck(cudaEventSynchronize(e1), "sync");
+        CSFMOE_CUDA_CHECK(cudaEventRecord(e1, s));
+        CSFMOE_CUDA_CHECK(cudaEventSynchronize(e1));
         float m = 0;
-        ck(cudaEventElapsedTime(&m, e0, e1), "elapsed");
+        CSFMOE_CUDA_CHECK(cudaEventElapsedTime(&m, e0, e1));
         if (i >= 3) ms.push_back(m);
       }
       std::sort(ms.begin(), ms.end());
@@ -189,10 +182,10 @@ int main(int argc, char** argv) {
     for (std::uint32_t T : tokens) {
       call(T);
       run(*single.b, dx, T, dids, IndexType::int32, dw, dref);
-      ck(cudaStreamSynchronize(s), "sync");
+      CSFMOE_CUDA_CHECK(cudaStreamSynchronize(s));
       std::vector<std::uint16_t> out(std::uint64_t{T} * H), ref(out.size());
-      ck(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost), "copy out");
-      ck(cudaMemcpy(ref.data(), dref, ref.size() * 2, cudaMemcpyDeviceToHost), "copy ref");
+      CSFMOE_CUDA_CHECK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
+      CSFMOE_CUDA_CHECK(cudaMemcpy(ref.data(), dref, ref.size() * 2, cudaMemcpyDeviceToHost));
       std::vector<float> reff(ref.size());
       for (std::size_t i = 0; i < ref.size(); ++i) reff[i] = bf16_to_float(ref[i]);
       const double err = rel_bf16(out, reff);

@@ -299,10 +299,8 @@ struct DeviceCsfTensor::Storage {
   static T* alloc(std::uint64_t count, const char* what) {
     if (count == 0) return nullptr;
     void* p = nullptr;
-    const cudaError_t err = cudaMalloc(&p, count * sizeof(T));
-    if (err != cudaSuccess)
-      throw CudaError(msg("CSF device tensor: cudaMalloc of {} bytes for {} failed: {} ({})",
-                          count * sizeof(T), what, cudaGetErrorName(err), cudaGetErrorString(err)));
+    CSFMOE_CUDA_CHECK_WHAT(cudaMalloc(&p, count * sizeof(T)),
+                           msg("CSF device tensor: cudaMalloc of {} bytes for {}", count * sizeof(T), what));
     return static_cast<T*>(p);
   }
 };

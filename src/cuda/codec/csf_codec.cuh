@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "csfmoe/formats.hpp"
+#include "cuda/primitives/ptx.cuh"
 
 namespace csfmoe::gpu {
 
@@ -36,12 +37,9 @@ constexpr int kExpandBlocksPerSm = 6;
 // ---------------------------------------------------------------------------
 // Small helpers
 // ---------------------------------------------------------------------------
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+using ptx::cp_async16;
+using ptx::cp_async_commit;
+using ptx::cp_async_wait_all;
 
 // 4 nibbles (bits 4i..4i+3 of x) -> 4 bytes.
 __device__ __forceinline__ u32 spread_nibbles(u32 x) {

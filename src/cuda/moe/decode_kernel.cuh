@@ -1,71 +1,17 @@
-// Grouped W4A16 GEMM for small calls (decode): weight streaming at HBM speed.
-//
-// At decode sizes an expert sees a handful of tokens, so the layer is a
-// stream of FP4 weight bytes. The kernel is built around keeping that stream
-// full and cheap to consume:
-//
-//  * Operand swap. Weight rows are the MMA's M side (mma.sync m16n8k16, bf16
-//    in, f32 accumulate) and up to 8 tokens its N side, so one token wastes
-//    nothing but the N padding of a single instruction.
-//  * K permutation. A dot product does not care in which order K is summed,
-//    so lane t of a quad owns 32 *consecutive* K of each of its rows per
-//    128-wide K block (one 16-byte load per row) and feeds them to the eight
-//    k16 steps of that block in an order chosen to make dequantization cheap.
-//    The activations (N operand) are read in the same order, so the product
-//    is unchanged. No shuffles, no weight pre-layout: the checkpoint's packed
-//    rows are read as they are.
-//  * Per-warp cp.async rings, kDecodeStages K blocks deep, so that several
-//    K blocks per warp are always in flight without block barriers. Where a
-//    warp's K blocks come in pairs (decode_copy_kblocks), it copies two
-//    adjacent K blocks at once, each copy instruction covering 4 rows x 128
-//    contiguous bytes, and a __syncwarp hands each lane the chunks the others
-//    copied for it: 128 contiguous bytes of a row per request rather than 64
-//    feed DRAM better (bench/RESULTS.md, "paired ring copies"). Otherwise
-//    each lane copies and reads back only its own chunks, with no barrier.
-//  * E2M1 -> BF16 with bit operations (src/cuda/moe/dequant.cuh). Nibble
-//    j and j+4 of a 32-bit word sit at the same offset of the two 16-bit
-//    halves, so one mask, one integer multiply (two non-overlapping copies of
-//    the nibble) and one mask make a bf16 pair. Placing the 3 magnitude bits
-//    at bf16 bits 8..6 gives value * 2^-126 exactly (E2M1's subnormal maps
-//    onto bf16's), which one packed multiply by the block scale
-//    (pre-multiplied by 2^118 for NVFP4) brings back to value * scale * 2^-8;
-//    the epilogue multiplies by 2^8. Every product is exact in bf16, as in
-//    the tiled kernel. MXFP4 scales span 2^-127..2^127, too wide for one
-//    folded factor: it multiplies by 2^126 first, then by the scale (still
-//    exact, same rounding as the tiled kernel).
-//    (Measured alternative, not kept: a 256-entry bf16-pair table with one
-//    copy per shared-memory bank. Its 32 KB per block halved the blocks per
-//    SM and its fill dominated short blocks: 2x slower. docs/performance.md.)
-//  * Scales in the ring. Each lane copies, next to its weight chunks, the
-//    one aligned word per row and K block that holds the block-scale bytes
-//    it needs (LaneScales, src/cuda/moe/scale_read.cuh: the scale quad of a
-//    dense or swizzled grid, the offset word of CSF), and converts them in the
-//    loop: gather the bytes of two rows into one word, four bytes to bf16 by
-//    bit assembly, words holding a subnormal or NaN code by the exact
-//    byte-wise path. CSF adds base + offset and patches exception slots from
-//    the records, bucketed by K block in the prologue (BlockExceptions) so
-//    that a warp walks one short list per K block with a uniform trip count
-//    (per-lane row cursors, LaneExceptions, diverged: +46 % instructions
-//    over native scales; they remain for records that do not fit).
-//    So no block waits for a scale prologue before its first MMA, and all
-//    scale modes produce identical bits. (Measured predecessor: all scales of
-//    the block's rows staged and converted into shared memory before the
-//    loop; that start-up was 38 % of the warp samples at T = 1.)
-//  * K split across warps. The W warps of a block (W from decode_warps: the
-//    launch size, not the scale mode) share its 32 weight rows and take K
-//    blocks warp, warp + W, ... (with paired copies: pairs warp, warp + W,
-//    ...); partial sums meet in shared memory in a fixed order
-//    (deterministic) before the epilogue (SiLU(gate) * up or the per-slot
-//    down rows).
+// Grouped W4A16 GEMM for small calls (decode): a stream of FP4 weight bytes
+// at HBM speed, since an expert sees only a handful of tokens.
 //
 // A block serves one routing tile (kTileM sorted rows of one expert) and 32
-// weight rows: 16 gate + 16 up rows (16 outputs) for gate/up, 32 output rows
-// for down. Tokens run in passes of 8 * NT; a tile with more valid rows than
-// that (a hot expert) repeats the weight stream per pass. Passes of 8 load
-// the next K block's activations while the current one converts. A block may
-// also stream a run of such row blocks in turn (decode_row_block_run): the
-// ring then runs on through each row block's reduction, whose partial sums
-// get their own shared memory.
+// weight rows (gate/up: 16 gate + 16 up rows for 16 outputs; down: 32 output
+// rows), split over its warps by K block. Weight rows are the mma.sync M
+// side and up to 8 tokens per chunk its N side; each lane reads 32
+// consecutive K of a row and feeds them to the k16 steps in the order that
+// makes E2M1 -> bf16 cheap (dequant.cuh), with the activations read in the
+// same order. Per-warp cp.async rings carry the weights and the raw
+// block-scale words (scale_read.cuh) with no block barrier in the loop;
+// partial sums meet in shared memory in a fixed order, so results are
+// deterministic and identical across scale modes. The design, its measured
+// alternatives and the ring layout: docs/decode-kernel.md.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -73,35 +19,14 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/moe/decode_timeline.cuh"
 #include "cuda/moe/dequant.cuh"
+#include "cuda/moe/epilogue.cuh"
 #include "cuda/moe/launchers.hpp"
 #include "cuda/moe/scale_read.cuh"
 #include "cuda/primitives/launch.cuh"
+#include "cuda/primitives/ptx.cuh"
 #include "moe/decode_shape.hpp"
-
-// Diagnostic builds only (scripts/gpu-diag-decode): CSFMOE_DECODE_DIAG=1 keeps
-// the weight and scale stream of the ring and drops everything computed from
-// it, to measure what the stream alone reaches. Results are then wrong.
-#ifndef CSFMOE_DECODE_DIAG
-#define CSFMOE_DECODE_DIAG 0
-#endif
-// Diagnostic builds may also ask for more resident blocks per SM, i.e. fewer
-// registers (CSFMOE_DECODE_MIN_BLOCKS, the launch-bounds minimum; 2 is the
-// kernel's), or drop the activation prefetch (CSFMOE_DECODE_ACT_PREFETCH=0).
-// Measured, both slower: bench/RESULTS.md "decode stream experiments".
-#ifndef CSFMOE_DECODE_MIN_BLOCKS
-#define CSFMOE_DECODE_MIN_BLOCKS 2
-#endif
-#ifndef CSFMOE_DECODE_ACT_PREFETCH
-#define CSFMOE_DECODE_ACT_PREFETCH 1
-#endif
-// Diagnostic builds only (scripts/gpu-timeline-decode): CSFMOE_DECODE_TIMELINE=1
-// makes every decode block record when it started, passed its waits, finished
-// its prologue and exited (%globaltimer, with its SM), to place a call's time
-// across its blocks: waves, start-up, tails and the gap between the GEMMs.
-#ifndef CSFMOE_DECODE_TIMELINE
-#define CSFMOE_DECODE_TIMELINE 0
-#endif
 
 namespace csfmoe::moe_detail {
 
@@ -110,59 +35,16 @@ static_assert(kDecodeMaxWarps * 32 <= BlockExceptions::kMaxThreads,
 static_assert(sizeof(BlockExceptions) == kDecodeExceptionStagingBytes,
               "decode_smem (decode_shape.hpp) sizes the CSF staging area");
 
-#if CSFMOE_DECODE_TIMELINE
-// One decode block's timeline (ns, %globaltimer): entry, after the gate/up
-// GEMM's wait, prologue done (rows and records staged), after the down GEMM's
-// wait, exit. Read back by decode_timeline_dump (decode_launch.cu).
-struct DecodeTimelineEvent {
-  unsigned long long t[5];
-  unsigned sm, gate_up, tile, row_block_group, valid;
-};
-constexpr unsigned kDecodeTimelineCapacity = 1u << 18;
-__device__ unsigned g_decode_timeline_count;
-__device__ DecodeTimelineEvent g_decode_timeline[kDecodeTimelineCapacity];
-__device__ __forceinline__ unsigned long long decode_global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-// Thread 0 of the block records `ev` with stamps t[0..4].
-__device__ __forceinline__ void decode_timeline_record(DecodeTimelineEvent ev) {
-  if (threadIdx.x != 0) return;
-  ev.t[4] = decode_global_ns();
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(ev.sm));
-  const unsigned at = atomicAdd(&g_decode_timeline_count, 1u);
-  if (at < kDecodeTimelineCapacity) g_decode_timeline[at] = ev;
-}
-#endif
-
 namespace decode {
 
 using decode_bits::e2m1_pair;
 using decode_bits::scale_bf16;
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
-                                         std::uint32_t a3, std::uint32_t b0, std::uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+using ptx::cp_async16;
+using ptx::cp_async4;
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
+using ptx::mma_bf16;
 
 __device__ __forceinline__ std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32_t b) {
   __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&a);
@@ -239,17 +121,14 @@ __device__ __forceinline__ void scale_pairs(const std::uint32_t (&u)[kWords], st
 
 }  // namespace decode
 
+// At least two resident blocks per SM: the register budget the ring and the
+// activation prefetch are sized for (docs/decode-kernel.md, "Occupancy").
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT, int Copy>
-__global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS)
-    moe_decode_kernel(GemmParams p) {
+__global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(GemmParams p) {
   static_assert(Copy == 1 || Copy == 2, "K blocks per ring copy: decode_copy_kblocks");
   using namespace decode;
   extern __shared__ __align__(16) unsigned char smem[];
-#if CSFMOE_DECODE_TIMELINE
-  DecodeTimelineEvent timeline{};
-  timeline.t[0] = decode_global_ns();
-  timeline.gate_up = GateUp, timeline.tile = blockIdx.x, timeline.row_block_group = blockIdx.y;
-#endif
+  DecodeTimeline timeline(GateUp);
 
   // gate/up reads the routing (or the expanded scales, or the permuted
   // hidden rows) of the kernel right before it. The down GEMM's routing and
@@ -259,14 +138,10 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
     grid_dependency_wait();
     allow_dependent_launch();
   }
-#if CSFMOE_DECODE_TIMELINE
-  timeline.t[1] = decode_global_ns();
-#endif
+  timeline.stamp(DecodeStamp::gate_up_waited);
   const int tile = blockIdx.x;
   if (tile >= p.header[0]) {
-#if CSFMOE_DECODE_TIMELINE
-    decode_timeline_record(timeline);
-#endif
+    timeline.record();
     return;
   }
   const int warps = int(blockDim.x / 32);  // decode_warps
@@ -440,17 +315,13 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
   }
   const std::uint32_t lane_key = BlockExceptions::lane_key(g, t);
 
-#if CSFMOE_DECODE_TIMELINE
-  timeline.t[2] = decode_global_ns();
-  timeline.valid = unsigned(valid);
-#endif
+  timeline.stamp(DecodeStamp::prologue_done);
+  timeline.valid_rows(valid);
   if constexpr (!GateUp) {
     grid_dependency_wait();  // act, written by the gate/up GEMM
     allow_dependent_launch();
   }
-#if CSFMOE_DECODE_TIMELINE
-  timeline.t[3] = decode_global_ns();
-#endif
+  timeline.stamp(DecodeStamp::down_waited);
   const float gs = global_scale * kDecodeUnfold<F>;
   const std::uint16_t* x_base = p.a;
   for (int j = 0; j < runs; ++j) {
@@ -500,7 +371,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
         // Passes of 8 tokens load the activations of the next K block while this
         // one converts (16 registers; wider passes would spill): the loads are L2
         // hits queued behind the weight stream, which the MMAs otherwise waited on.
-        constexpr bool kPrefetchActivations = CSFMOE_DECODE_ACT_PREFETCH && NT == 1;
+        constexpr bool kPrefetchActivations = NT == 1;
         uint4 x_next[NT][4];
         const auto load_activations = [&](int i) {
           const std::uint32_t kb = kblock_of(i);
@@ -541,13 +412,6 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
             uint4 wq[kDecodeChunksPerLane];
 #pragma unroll
             for (int c = 0; c < kDecodeChunksPerLane; ++c) wq[c] = stage[c * 32];
-#if CSFMOE_DECODE_DIAG == 1
-            {  // memory only (scripts/gpu-diag-decode): the ring's traffic, nothing computed from it
-              const uint4 sw = stage[kDecodeChunksPerLane * 32];
-              acc[0][0][0] += __uint_as_float((wq[0].x ^ wq[1].y ^ wq[2].z ^ wq[3].w ^ sw.x) & 0x3F800000u);
-              continue;
-            }
-#endif
             const std::uint32_t kb = kblock_of(i);
             // Scale pairs (s, s) per chunk and half of the lane's 32 values.
             std::uint32_t sp[kDecodeChunksPerLane][2];
@@ -629,7 +493,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
         };
         if constexpr (GateUp) {
           const float gate = sum(o), up = sum(o + kOutPerBlock);
-          const float y = gate / (1.0f + expf(-gate)) * up;
+          const float y = SiluMul::apply(gate, up);
           const __nv_bfloat16 h = __float2bfloat16_rn(y);
           p.act[std::uint64_t(row0 + tok0 + m) * p.n + n0 + o] = *reinterpret_cast<const std::uint16_t*>(&h);
         } else {
@@ -640,9 +504,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, CSFMOE_DECODE_MIN_BLOCKS
     }
   }
   cp_async_wait<0>();  // a tile without valid rows still issued its first stages
-#if CSFMOE_DECODE_TIMELINE
-  decode_timeline_record(timeline);
-#endif
+  timeline.record();
 }
 
 }  // namespace csfmoe::moe_detail

@@ -224,9 +224,9 @@ struct LaneScales {
 // index, or by a counting sort: stage, scan, scatter), and a warp at K block
 // kb patches from one short list with a warp-uniform trip count (patch).
 // Per-lane row cursors made the patch divergent (some lane of nearly every
-// warp and K block is due: the stage-read kernel ran 46 % more instructions
-// than the native-scale one). A staged record is a PatchEntry, laid out so
-// that a lane tests one masked compare and patches with one byte permute.
+// warp and K block is due; docs/decode-kernel.md). A staged record is a
+// PatchEntry, laid out so that a lane tests one masked compare and patches
+// with one byte permute.
 // Buckets are K blocks modulo kBuckets; the entry keeps kb / kBuckets, so any
 // K is bucketed. Records that do not fit (adversarial grids) stay in global
 // memory and are walked by LaneExceptions, whose cursors reuse the staging

@@ -15,9 +15,10 @@
 #include <cuda_bf16.h>
 #include <mma.h>
 
-#include "cuda/primitives/launch.cuh"
+#include "cuda/moe/epilogue.cuh"
 #include "cuda/moe/launchers.hpp"
 #include "cuda/moe/scale_read.cuh"
+#include "cuda/primitives/launch.cuh"
 
 namespace csfmoe::moe_detail {
 
@@ -197,7 +198,7 @@ __global__ void __launch_bounds__(kGemmThreads) moe_gemm_kernel(GemmParams p) {
       for (int u = 0; u < 2; ++u) {
         const float g = se.c[0][m][n + u] * gs;
         const float up = se.c[1][m][n + u] * gs;
-        out[u] = g / (1.0f + expf(-g)) * up;
+        out[u] = SiluMul::apply(g, up);
       }
       *reinterpret_cast<__nv_bfloat162*>(p.act + std::uint64_t(row0 + m) * p.n + n0 + n) =
           __floats2bfloat162_rn(out[0], out[1]);

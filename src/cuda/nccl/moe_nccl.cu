@@ -1,6 +1,6 @@
 // Tensor- and expert-parallel MoE over NCCL (csfmoe/moe_nccl.hpp).
-// Built into csfmoe_nccl only (the root CMakeLists.txt keeps this file out of
-// csfmoe_cuda), so builds without NCCL are unaffected.
+// Built into csfmoe_nccl only, which CMake adds when NCCL is found, so builds
+// without NCCL are unaffected.
 #include <cuda_bf16.h>
 #include <unistd.h>
 

@@ -1,18 +1,22 @@
 // CUDA error checking for host code: every runtime call goes through
-// CSFMOE_CUDA_CHECK, which throws csfmoe::CudaError naming file:line, the
-// call and the runtime's error, so a failure is never silently ignored.
+// CSFMOE_CUDA_CHECK (or CSFMOE_CUDA_CHECK_WHAT where the call alone does not
+// say what failed), which throws csfmoe::CudaError naming file:line, what
+// failed and the runtime's error, so a failure is never silently ignored.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <string>
+#include <string_view>
 
 #include "csfmoe/errors.hpp"
 
 namespace csfmoe::cuda_detail {
 
-[[noreturn]] inline void throw_cuda_error(cudaError_t err, const char* call, const char* file, int line) {
-  throw CudaError(std::string(file) + ":" + std::to_string(line) + ": " + call +
+// Throws "file:line: <what> failed: <error name> (<error string>)".
+[[noreturn]] inline void throw_cuda_error(cudaError_t err, std::string_view what, const char* file,
+                                          int line) {
+  throw CudaError(std::string(file) + ":" + std::to_string(line) + ": " + std::string(what) +
                   " failed: " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
 }
 
@@ -53,6 +57,15 @@ class DeviceGuard {
 #define CSFMOE_CUDA_CHECK_LAUNCH(what)                                                     \
   do {                                                                                     \
     const cudaError_t csfmoe_cuda_err_ = cudaGetLastError();                               \
+    if (csfmoe_cuda_err_ != cudaSuccess)                                                   \
+      ::csfmoe::cuda_detail::throw_cuda_error(csfmoe_cuda_err_, what, __FILE__, __LINE__); \
+  } while (0)
+
+// Like CSFMOE_CUDA_CHECK, with `what` (anything a std::string_view is built
+// from, evaluated only on failure) naming the step instead of the call's text.
+#define CSFMOE_CUDA_CHECK_WHAT(call, what)                                                 \
+  do {                                                                                     \
+    const cudaError_t csfmoe_cuda_err_ = (call);                                           \
     if (csfmoe_cuda_err_ != cudaSuccess)                                                   \
       ::csfmoe::cuda_detail::throw_cuda_error(csfmoe_cuda_err_, what, __FILE__, __LINE__); \
   } while (0)

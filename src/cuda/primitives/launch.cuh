@@ -20,7 +20,7 @@
 #include <string>
 #include <utility>
 
-#include "csfmoe/errors.hpp"
+#include "cuda/primitives/cuda_check.hpp"
 
 namespace csfmoe::moe_detail {
 
@@ -38,7 +38,7 @@ __device__ __forceinline__ void allow_dependent_launch() {
 
 // Launches kernel<<<grid, block, smem, stream>>>(args...), as a programmatic
 // dependent of the stream's previous kernel when `chained`; throws CudaError
-// naming `what` when the launch fails.
+// naming `what` and the CUDA error when the launch fails.
 template <typename... Params, typename... Args>
 void launch_kernel(const char* what, bool chained, void (*kernel)(Params...), dim3 grid, dim3 block,
                    std::size_t smem, cudaStream_t stream, Args&&... args) {
@@ -54,8 +54,8 @@ void launch_kernel(const char* what, bool chained, void (*kernel)(Params...), di
   config.numAttrs = chained ? 1 : 0;
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    throw CudaError(std::string(what) + ": launch failed: " + cudaGetErrorString(err));
+    (void)cudaGetLastError();  // clear the error so later calls do not report it again
+    cuda_detail::throw_cuda_error(err, std::string(what) + ": launch", __FILE__, __LINE__);
   }
 }
 
