@@ -4,6 +4,8 @@
 //   bench_gpu_moe [--iters N] [--shapes ds3,kimi,qwen3] [--format nvfp4|mxfp4] [--tokens 1,8,...]
 //                 [--prefill-tokens 1024,4096 | --no-prefill] [--json FILE] [--no-peer] [--no-overlap]
 //                 [--timeline FILE]   (builds with -DCSFMOE_DECODE_TIMELINE=1 only)
+//                 [--decode-warps 1|2|4|8] [--decode-run R] [--decode-copy 1] [--decode-kb-per-warp N]
+//                 [--decode-min-kb N] [--decode-waves N]   (MoeBindOptions::tuning of every binding)
 //
 // Per shape and token count T (top-8 routing, distinct experts per token):
 //   roofline  = bytes of the distinct experts the call touches (FP4 weights +
@@ -192,6 +194,7 @@ struct Args {
   std::string json;
   std::string timeline;  // decode block timelines of one extra replay per binding (diagnostic builds)
   bool peer = true, overlap = true;
+  MoeDecodeTuning tuning;  // decode block shape overrides (-1 = auto)
 };
 
 Args parse(int argc, char** argv) {
@@ -226,6 +229,18 @@ Args parse(int argc, char** argv) {
       std::fprintf(stderr, "bench_gpu_moe: --timeline needs a build with -DCSFMOE_DECODE_TIMELINE=1\n");
       std::exit(2);
 #endif
+    } else if (k == "--decode-warps") {
+      a.tuning.warps = std::stoi(val());
+    } else if (k == "--decode-run") {
+      a.tuning.row_block_run = std::stoi(val());
+    } else if (k == "--decode-copy") {
+      a.tuning.copy_kblocks = std::stoi(val());
+    } else if (k == "--decode-kb-per-warp") {
+      a.tuning.kblocks_per_warp = std::stoi(val());
+    } else if (k == "--decode-min-kb") {
+      a.tuning.min_kblocks_per_warp = std::stoi(val());
+    } else if (k == "--decode-waves") {
+      a.tuning.waves = std::stoi(val());
     } else if (k == "--no-prefill") {
       a.prefill.clear();
     } else if (k == "--no-peer") {
@@ -236,6 +251,12 @@ Args parse(int argc, char** argv) {
       std::fprintf(stderr, "bench_gpu_moe: unknown argument %s\n", k.c_str());
       std::exit(2);
     }
+  }
+  try {
+    validate(a.tuning);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_gpu_moe: %s\n", e.what());
+    std::exit(2);
   }
   return a;
 }
@@ -558,6 +579,7 @@ int main(int argc, char** argv) {
           continue;
         }
         MoeBindOptions opt;
+        opt.tuning = args.tuning;
         opt.force_mode = modes[m >= 4 ? 0 : m];
         if (m == 7) opt.programmatic_launch = false;
         if (m == 4 || m == 5) opt.prefill_min_tokens = 0xFFFFFFFFu;
@@ -724,7 +746,9 @@ int main(int argc, char** argv) {
       std::normal_distribution<float> x(0.0f, 1.0f);
       for (auto& v : h) v = float_to_bf16(x(rng));
       ck(cudaMemcpy(hid, h.data(), h.size() * 2, cudaMemcpyHostToDevice), "hidden");
-      const BoundMoe b = bind(*layer.wn, hi, max_t, {ws, ws_bytes}, false);
+      MoeBindOptions opt;
+      opt.tuning = args.tuning;
+      const BoundMoe b = bind(*layer.wn, hi, max_t, {ws, ws_bytes}, false, opt);
       // b is bound to hi: the call runs there.
       overlap("the " + shape.name + " layer call, T = " + std::to_string(T) + " (" +
                   std::string(to_string(b.kernel_for(T))) + " kernel)",

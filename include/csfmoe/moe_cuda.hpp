@@ -21,6 +21,7 @@
 #include <memory>
 #include <optional>
 
+#include "csfmoe/call_plan.hpp"
 #include "csfmoe/device_codec.hpp"
 #include "csfmoe/moe.hpp"
 
@@ -108,46 +109,9 @@ struct MoeWorkspace {
 // Workspace a binding for up to max_tokens tokens needs.
 std::uint64_t moe_workspace_bytes(const MoePlan& plan, std::uint32_t max_tokens);
 
-// The GEMM kernels a call can run on: the weight-streaming decode kernel
-// (tokens are the MMA's narrow side; best while experts see few tokens), the
-// Hopper prefill kernel (wgmma; large calls on sm_90), or the tiled kernel
-// (64 x 64 tiles; any shape and device). All give results within the same
-// error bound; each is deterministic, and all scale modes one kernel runs
-// give identical bits.
-enum class MoeKernel { decode, tiled, prefill };
-const char* to_string(MoeKernel k);
-
-struct MoeBindOptions {
-  // Force one scale mode for every call (tests, benchmarks); it must suit the
-  // layer: native needs compression none, the others csf, expanded and
-  // routed a scratch.
-  std::optional<MoeScaleMode> force_mode;
-  // Calls with T <= decode_max_tokens run the decode kernel, larger ones the
-  // tiled kernel; 0 means always tiled. Layers whose H or N is not a multiple
-  // of 128, or whose decode kernel would not fit the device's shared memory,
-  // always run tiled. The default covers every size measured on the H200
-  // (T = 1..8192), where the decode kernel was the faster of the two
-  // (bench/RESULTS.md).
-  std::uint32_t decode_max_tokens = 8192;
-  // Calls with T >= prefill_min_tokens run the prefill kernel where it
-  // applies: an sm_90 device, H a multiple of 256 and N of 128, a call whose
-  // scales are dense (native, expanded or routed; a stage-read call runs the
-  // decode kernel). It takes precedence over decode_max_tokens; 0xFFFFFFFF
-  // never uses it. 0 (the default) picks the crossover measured on the H200
-  // (bench/RESULTS.md): T * top_k >= 16 * E, 16 rows per expert on average
-  // (DeepSeek-V3 from 512 tokens, Qwen3-30B-A3B from 256, Kimi K2 from 768).
-  std::uint32_t prefill_min_tokens = 0;
-  // On sm_90 and newer, launch the layer's kernels as programmatic dependents
-  // of the one before (PDL): each may start while the previous one drains,
-  // and the down GEMM streams its first weights before gate/up has finished.
-  // Results are bit-identical either way; false launches them strictly in
-  // stream order (for profilers, or streams shared with kernels that
-  // misuse PDL).
-  bool programmatic_launch = true;
-};
-
-// A frozen launch configuration: stream, token bound, workspace, and the rule
-// that picks a call's scale mode from its token count:
+// A frozen launch configuration: stream, token bound, workspace, the
+// device's capabilities (read once here), and the rule that picks a call's
+// scale mode from its token count (plan_call, csfmoe/call_plan.hpp):
 //   compression none                 -> native
 //   csf, scales_expanded = true      -> expanded
 //   csf, T <= stage_read_max_tokens  -> stage_read, unless the call runs the
@@ -159,10 +123,14 @@ class BoundMoe {
   const MoeWeights& weights() const { return *weights_; }
   cudaStream_t stream() const { return stream_; }
   std::uint32_t max_tokens() const { return max_tokens_; }
-  MoeScaleMode mode_for(std::uint32_t tokens) const;
-  MoeKernel kernel_for(std::uint32_t tokens) const;
+  const MoeBindOptions& options() const { return options_; }
+  const MoeDeviceCaps& device_caps() const { return caps_; }
+  // The whole launch plan of a call of `tokens` tokens (plan_call).
+  MoeCallPlan call_plan(std::uint32_t tokens) const;
+  MoeScaleMode mode_for(std::uint32_t tokens) const { return call_plan(tokens).mode; }
+  MoeKernel kernel_for(std::uint32_t tokens) const { return call_plan(tokens).kernel; }
   // Whether the calls launch their kernels as programmatic dependents.
-  bool programmatic_launch() const { return chained_; }
+  bool programmatic_launch() const { return options_.programmatic_launch && caps_.cc_major >= 9; }
   // Ids outside [0, E) seen by the last call (they contribute nothing).
   // Synchronizes the stream; for debugging, never inside a capture.
   std::uint32_t invalid_id_count() const;
@@ -176,16 +144,13 @@ class BoundMoe {
   std::uint32_t max_tokens_ = 0;
   MoeWorkspace workspace_;
   bool scales_expanded_ = false;
-  bool decode_ok_ = false;      // the layer's shape suits the decode kernel on its device
-  bool prefill_ok_ = false;     // ... and the prefill kernel
-  std::uint32_t sm_count_ = 0;  // of the layer's device: sizes the decode kernel's blocks
-  bool chained_ = false;        // programmatic_launch on a device that has it
+  MoeDeviceCaps caps_;
   MoeBindOptions options_;
 };
 
 // Validates and freezes; `weights` must outlive the result. Throws
 // InvalidArgument for a too small or misaligned workspace, max_tokens above
-// the plan's, or a mode that does not suit the layer.
+// the plan's, a mode that does not suit the layer, or invalid options.tuning.
 BoundMoe bind(const MoeWeights& weights, cudaStream_t stream, std::uint32_t max_tokens,
               const MoeWorkspace& workspace, bool scales_expanded, const MoeBindOptions& options = {});
 

@@ -14,9 +14,20 @@ namespace csfmoe::moe_detail {
 
 constexpr int kDecodeMaxWarps = 8;
 constexpr int kDecodeRows = 32;          // weight rows per block: 2 MMA row tiles of 16
+constexpr int kDecodeHalfRows = 16;      // one MMA row tile: the gate or up half of a gate/up block
 constexpr int kDecodeStages = 4;         // cp.async ring depth per warp (K blocks in flight), a power of 2
 constexpr int kDecodeKBlock = 128;       // K per lane quad and step: 4 lanes x 32 values
 constexpr int kDecodeChunksPerLane = 4;  // 16-byte chunks per lane and K block (4 rows)
+
+// Token passes the kernel is instantiated for, in units of 8 tokens (the MMA's
+// N): passes of 8, 16 and 32 tokens. Dispatch (src/cuda/moe/dispatch.hpp) and
+// the shared-memory bound below both walk this list.
+inline constexpr int kDecodeTokenPasses[] = {1, 2, 4};
+constexpr int kDecodeTokenPassCount = sizeof(kDecodeTokenPasses) / sizeof(kDecodeTokenPasses[0]);
+
+static_assert(kDecodeRows == 2 * 16, "a decode block is two m16 MMA row tiles");
+static_assert(kDecodeHalfRows * 2 == kDecodeRows);
+static_assert((kDecodeStages & (kDecodeStages - 1)) == 0, "the ring index wraps with a mask");
 
 // Per-warp ring stage: the lanes' weight chunks, then one uint4 of scale
 // source words per lane.
@@ -33,15 +44,12 @@ struct DecodeSmem {
 };
 
 // Block shape of the decode kernel: how many warps split a block's K blocks.
-// Measured on the H200 (docs/performance.md): every block pays a start-up
-// (tile expert, routing rows, first ring stage: a few DRAM latencies) and a
-// barrier-bound epilogue, so warps should stream many K blocks; but a launch
-// that fills the GPU's warp slots only about once runs slower than one of
-// about two waves, and warps of very few K blocks lose again. Defaults:
-// about 28 K blocks per warp, then more warps while the launch fills fewer
-// than 2 waves and each warp keeps at least 3 K blocks (3 rather than 4 lets
-// Qwen3-30B-A3B's down GEMM, K = 6 K blocks, use 2 warps at T = 1: 23.7
-// against 27.8 us per call; no other measured shape changes).
+// Every block pays a start-up and a barrier-bound epilogue, so warps should
+// stream many K blocks; but a launch that fills the GPU's warp slots only
+// about once runs slower than one of about two waves, and warps of very few K
+// blocks lose again. Defaults: about 28 K blocks per warp, then more warps
+// while the launch fills fewer than 2 waves and each warp keeps at least 3 K
+// blocks (measurements: docs/moe-api.md, "Launch plan").
 struct DecodeShapeRule {
   std::uint32_t kblocks_per_warp = 28;
   std::uint32_t min_kblocks_per_warp = 3;
@@ -69,15 +77,10 @@ CSFMOE_HD bool decode_runs_possible(bool can_run, std::uint32_t warps_per_block,
   return can_run && kblocks >= warps_per_block * kDecodeStages;
 }
 
-// Row blocks a block streams in turn (decode_launch), for a launch of
-// `blocks` blocks (one row block each) of `warps_per_block` warps over
-// `kblocks` K blocks. Measured on the H200 (bench/RESULTS.md, "runs of row
-// blocks, fixed rule"): runs of 2 help the wide blocks of launches of several
-// waves, i.e. DeepSeek-V3 and Kimi K2 at T = 1 (9 routing tiles: gate/up 4
-// warps x 14 K blocks, 2.2 waves; down 4 warps x 4 K blocks, 3.8 waves): 90.0
-// -> 84.1 us per call. They cost in 2-warp blocks (T >= 2; Qwen3-30B-A3B T = 8:
-// 77.2 -> 82.6 us), in launches under a wave (Qwen3-30B-A3B T = 1), and runs
-// of 4 or 8 cost everywhere.
+// Row blocks a block streams in turn, for a launch of `blocks` blocks (one
+// row block each) of `warps_per_block` warps over `kblocks` K blocks: runs of
+// 2 for blocks of 4 or more warps in launches of at least 1.5 waves, else 1
+// (measurements: docs/moe-api.md, "Launch plan").
 CSFMOE_HD std::uint32_t decode_row_block_run(bool can_run, std::uint32_t warps_per_block,
                                              std::uint32_t kblocks, std::uint64_t blocks,
                                              std::uint32_t sm_count) {
@@ -88,8 +91,7 @@ CSFMOE_HD std::uint32_t decode_row_block_run(bool can_run, std::uint32_t warps_p
 
 // K blocks a decode warp copies into its ring at once: 2 (one request per 4
 // rows x 128 contiguous bytes) where the block's warps get whole pairs of K
-// blocks, the same number each, else 1. Measured on the H200: bench/RESULTS.md,
-// "paired ring copies".
+// blocks, the same number each, else 1 (bench/RESULTS.md, "paired ring copies").
 CSFMOE_HD std::uint32_t decode_copy_kblocks(std::uint32_t warps_per_block, std::uint32_t kblocks) {
   return kblocks % (2 * warps_per_block) == 0 ? 2 : 1;
 }
@@ -107,6 +109,31 @@ CSFMOE_HD DecodeSmem decode_smem(std::uint32_t warps, std::uint32_t nt, bool csf
   s.partial_at = run ? rest : 0u;
   s.total = rest + (run ? partial : 0u);
   return s;
+}
+
+// Whether a layer's GEMMs fit the decode kernel: K of both projections is a
+// whole number of K blocks.
+constexpr bool decode_shape_ok(std::uint32_t hidden, std::uint32_t intermediate) {
+  return hidden % kDecodeKBlock == 0 && intermediate % kDecodeKBlock == 0;
+}
+
+// The most dynamic shared memory a decode block over K = `k` can ask for: the
+// widest block (warps capped by the K blocks) over every instantiated token
+// pass and scale kind, and a run of row blocks where the kernel allows runs
+// (passes of 8 tokens, dense scales). Both formats: the scales travel in the ring.
+inline std::uint32_t decode_smem_bytes(std::uint32_t k) {
+  const std::uint32_t kblocks = k / kDecodeKBlock;
+  const std::uint32_t warps = kblocks < kDecodeMaxWarps ? kblocks : kDecodeMaxWarps;
+  std::uint32_t most = 0;
+  for (const int nt : kDecodeTokenPasses)
+    for (const bool csf : {false, true}) {
+      const bool can_run = nt == 1 && !csf;
+      for (const bool run : {false, can_run}) {
+        const std::uint32_t bytes = decode_smem(warps, std::uint32_t(nt), csf, run).total;
+        most = bytes > most ? bytes : most;
+      }
+    }
+  return most;
 }
 
 }  // namespace csfmoe::moe_detail

@@ -231,8 +231,24 @@ MoeKernel expected_kernel(const MoeLayerGeometry& g, MoeScaleMode mode, MoeKerne
   return kernel != MoeKernel::tiled && decode_fits(g) ? MoeKernel::decode : MoeKernel::tiled;
 }
 
+// ctest runs the decode tests again with each decode block shape forced
+// (tests/CMakeLists.txt): CSFMOE_TEST_DECODE_WARPS, CSFMOE_TEST_DECODE_RUN and
+// CSFMOE_TEST_DECODE_COPY set the fields of MoeBindOptions::tuning.
+MoeDecodeTuning test_tuning() {
+  const auto read = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr && *v != '\0' ? std::atoi(v) : -1;
+  };
+  MoeDecodeTuning t;
+  t.warps = read("CSFMOE_TEST_DECODE_WARPS");
+  t.row_block_run = read("CSFMOE_TEST_DECODE_RUN");
+  t.copy_kblocks = read("CSFMOE_TEST_DECODE_COPY");
+  return t;
+}
+
 MoeBindOptions options_for(MoeScaleMode mode, MoeKernel kernel) {
   MoeBindOptions opt;
+  opt.tuning = test_tuning();
   opt.force_mode = mode;
   opt.decode_max_tokens = kernel == MoeKernel::tiled ? 0u : 0xFFFFFFFFu;
   opt.prefill_min_tokens = kernel == MoeKernel::prefill ? 1u : 0xFFFFFFFFu;
@@ -297,63 +313,6 @@ void check_all_modes(const Layer& l, const Inputs& in, Call& call, const std::st
 bool small_run() {
   const char* v = std::getenv("CSFMOE_GPU_TEST_SMALL");
   return v != nullptr && *v != '\0' && *v != '0';
-}
-
-// The decode kernel's launch shapes for the model layers, as measured best on
-// the H200 (bench/RESULTS.md: "decode kernel v4" for the warps, "runs of row
-// blocks, fixed rule" for the runs): warps per block and row blocks per block
-// of the gate/up and down launches, from the same host functions
-// decode_launch uses. Host arithmetic only: runs without a GPU. (The v6 run
-// rule asked for 8-warp blocks at T = 1, which the 9-tile grids there never
-// have; this test pins what the launches actually get.)
-TEST(DecodeLaunchShape, ModelLayersGetTheMeasuredWarpsAndRuns) {
-  using namespace csfmoe::moe_detail;
-  struct Shape {
-    std::uint32_t warps, run, copy;
-  };
-  struct Case {
-    const char* layer;
-    std::uint32_t hidden, intermediate, experts, tokens;
-    Shape gate_up, down;
-  };
-  constexpr std::uint32_t kTopk = 8, kH200Sms = 132;
-  const Case cases[] = {
-      {"DeepSeek-V3", 7168, 2048, 256, 1, {4, 2, 2}, {4, 2, 2}},
-      {"DeepSeek-V3", 7168, 2048, 256, 8, {2, 1, 2}, {1, 1, 2}},
-      {"DeepSeek-V3", 7168, 2048, 256, 64, {2, 1, 2}, {1, 1, 2}},
-      {"Kimi K2", 7168, 2048, 384, 1, {4, 2, 2}, {4, 2, 2}},
-      {"Kimi K2", 7168, 2048, 384, 8, {2, 1, 2}, {1, 1, 2}},
-      // K = 768 is 6 K blocks: 2 warps cannot take whole pairs evenly.
-      {"Qwen3-30B-A3B", 2048, 768, 128, 1, {4, 1, 2}, {2, 1, 1}},
-      {"Qwen3-30B-A3B", 2048, 768, 128, 8, {2, 1, 2}, {2, 1, 1}},
-      {"Qwen3-30B-A3B", 2048, 768, 128, 64, {1, 1, 2}, {1, 1, 2}},
-  };
-  for (const Case& c : cases) {
-    SCOPED_TRACE(std::string(c.layer) + " T = " + std::to_string(c.tokens));
-    const std::uint64_t tiles = max_tiles(std::uint64_t(c.tokens) * kTopk, c.experts);
-    const auto shape = [&](std::uint32_t k, std::uint32_t row_blocks) {
-      const std::uint32_t kblocks = k / kDecodeKBlock;
-      const std::uint64_t blocks = tiles * row_blocks;
-      const std::uint32_t warps = decode_warps(kblocks, blocks, kH200Sms);
-      return Shape{warps, decode_row_block_run(true, warps, kblocks, blocks, kH200Sms),
-                   decode_copy_kblocks(warps, kblocks)};
-    };
-    const auto expect = [](const Shape& got, const Shape& want, const char* gemm) {
-      SCOPED_TRACE(gemm);
-      EXPECT_EQ(got.warps, want.warps);
-      EXPECT_EQ(got.run, want.run);
-      EXPECT_EQ(got.copy, want.copy);
-    };
-    const Shape gate_up = shape(c.hidden, c.intermediate / (kDecodeRows / 2));
-    expect(gate_up, c.gate_up, "gate/up");
-    expect(shape(c.intermediate, c.hidden / kDecodeRows), c.down, "down");
-    // CSF scales and wider token passes never run row blocks.
-    EXPECT_EQ(decode_row_block_run(false, gate_up.warps, c.hidden / kDecodeKBlock, tiles, kH200Sms), 1u);
-  }
-  // Pairs need every warp to get the same number of whole pairs.
-  EXPECT_EQ(decode_copy_kblocks(1, 3), 1u);
-  EXPECT_EQ(decode_copy_kblocks(4, 12), 1u);
-  EXPECT_EQ(decode_copy_kblocks(4, 16), 2u);
 }
 
 class GpuMoe : public ::testing::Test {
@@ -649,7 +608,7 @@ TEST_F(GpuMoe, DecodeKernelOnAdversarialCodesAndScales) {
 // Runs of row blocks (a decode block streaming several row blocks of its tile
 // in turn, the ring running through each row block's reduction). The launch
 // rule gives this layer none; ctest runs the test again with
-// CSFMOE_DECODE_RUN = 2 and 3 (tests/CMakeLists.txt), which K of 8 and 4
+// CSFMOE_TEST_DECODE_RUN = 2 and 3 (tests/CMakeLists.txt), which K of 8 and 4
 // blocks of 128 lets apply to the 8-token passes (T = 1, 7, 20: partial last
 // runs, and at T = 20 tiles of two passes; T = 64 takes passes of 16, no
 // runs). Then the native call streams runs and the stage-read call does not:
@@ -694,6 +653,28 @@ TEST_F(GpuMoe, DecodeAndTiledKernelsChosenByTokenCount) {
   Layer lo(ScaleFormat::nvfp4, odd, seed, 64);
   Call co(lo.plan_csf, 64);
   EXPECT_EQ(bind(*lo.csf, nullptr, 64, co.workspace(), false).kernel_for(1), MoeKernel::tiled);
+}
+
+// A binding's call plan is plan_call over the capabilities bind read.
+TEST_F(GpuMoe, BindingPlansCallsFromTheDeviceCaps) {
+  CSFMOE_SEEDED(seed);
+  const MoeLayerGeometry g{8, 256, 128, 2, GateUpOrder::w13};
+  Layer l(ScaleFormat::nvfp4, g, seed, 512);
+  Call call(l.plan_csf, 512);
+  const BoundMoe b = bind(*l.csf, nullptr, 512, call.workspace(), false);
+  int sms = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "sm count");
+  EXPECT_EQ(b.device_caps().sm_count, std::uint32_t(sms));
+  EXPECT_EQ(b.device_caps().prefill_kernels, sm90());
+  for (std::uint32_t T : {1u, 7u, 64u, 300u, 512u}) {
+    const MoeCallPlan want = plan_call(l.plan_csf, b.device_caps(), T, false, true, MoeBindOptions{});
+    const MoeCallPlan got = b.call_plan(T);
+    EXPECT_EQ(got.mode, want.mode);
+    EXPECT_EQ(got.kernel, want.kernel);
+    EXPECT_EQ(got.token_pass, want.token_pass);
+    EXPECT_EQ(got.gate_up.warps, want.gate_up.warps);
+    EXPECT_EQ(got.down.smem_bytes, want.down.smem_bytes);
+  }
 }
 
 TEST_F(GpuMoe, PrefillKernelChosenFromItsThresholdForDenseScales) {
@@ -971,6 +952,12 @@ TEST_F(GpuMoe, HostChecksRejectBadArguments) {
   EXPECT_THROW(bind(*l.csf, nullptr, 64, call.workspace(), false, opt), InvalidArgument);
   opt.force_mode = MoeScaleMode::stage_read;
   EXPECT_THROW(bind(*l.native, nullptr, 64, call.workspace(), false, opt), InvalidArgument);
+  opt.force_mode.reset();
+  opt.tuning.warps = 3;
+  EXPECT_THROW(bind(*l.csf, nullptr, 64, call.workspace(), false, opt), InvalidArgument);
+  opt.tuning = {};
+  opt.tuning.copy_kblocks = 2;
+  EXPECT_THROW(bind(*l.csf, nullptr, 64, call.workspace(), false, opt), InvalidArgument);
   EXPECT_TRUE(l.csf->source_scales_droppable());
   EXPECT_FALSE(l.native->source_scales_droppable());
   EXPECT_EQ(l.native->resident_scale_bytes(), l.plan_native.w13_scale_bytes + l.plan_native.w2_scale_bytes);

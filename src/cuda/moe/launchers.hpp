@@ -1,12 +1,14 @@
 // Internal interface between the MoE host code (layer.cpp) and the kernel
 // families (routing.cu, tiled_launch.cu, decode_launch.cu, prefill_launch.cu,
-// combine.cu). Launchers take checked arguments; each family dispatches through one table.
+// combine.cu). Launchers take checked arguments and the call plan's decisions
+// (GemmParams::decode); each family dispatches through dispatch.hpp.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
+#include "csfmoe/call_plan.hpp"
 #include "csfmoe/device_codec.hpp"
 #include "csfmoe/formats.hpp"
 #include "moe/routing_tiles.hpp"
@@ -59,7 +61,7 @@ struct GemmParams {
   const int* tile_expert = nullptr;
   const int* sorted_slot = nullptr;
   std::uint32_t max_tiles = 0;       // grid size along tiles
-  std::uint32_t sm_count = 0;        // of the device (decode kernel: sizes its blocks)
+  std::uint32_t sm_count = 0;        // of the device (the call plan sized the decode blocks from it)
   const std::uint16_t* a = nullptr;  // bf16: hidden [T, K] (gate/up) or act [rows, K] (down)
   std::uint32_t topk = 1;            // slot -> token divisor (gate/up)
   const std::uint8_t* w = nullptr;   // [E, out_rows, K/2]
@@ -74,8 +76,11 @@ struct GemmParams {
   // down: per-slot outputs [T * k, H] f32.
   float* slot_out = nullptr;
   bool chained = false;  // programmatic dependent launch (launch.cuh)
-  // Decode kernel: row blocks each block streams in turn (set by its launcher).
+  // Decode kernel: row blocks each block streams in turn (its launcher copies
+  // decode.row_block_run here).
   std::uint32_t row_block_run = 1;
+  // Decode kernel: the block shape the call plan chose (plan_call).
+  MoeDecodeShape decode;
 };
 
 // Which GEMM kernel runs a call: the tiled kernel (tiled_kernel.cuh), the
@@ -86,11 +91,9 @@ enum class GemmPath : int { tiled = 0, decode_8 = 1, decode_16 = 2, decode_32 = 
 void launch_gate_up(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t stream);
 void launch_down(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t stream);
 
-// Decode kernels: usable when K of both projections is a multiple of 128 and
-// their shared memory fits the device (decode_smem_bytes <= opt-in maximum).
-// configure_decode_kernels lets them use it on the current device.
-bool decode_shape_ok(std::uint32_t hidden, std::uint32_t intermediate);
-std::uint32_t decode_smem_bytes(std::uint32_t k);  // both formats: the scales travel in the ring
+// Decode kernels: usable where decode_possible (moe/call_plan.hpp);
+// configure_decode_kernels lets every instantiation use `smem_bytes` of
+// dynamic shared memory on the current device.
 void configure_decode_kernels(std::uint32_t smem_bytes);
 void launch_decode(ScaleFormat f, bool gate_up, GemmPath path, const GemmParams& p, cudaStream_t stream);
 
@@ -100,7 +103,7 @@ void launch_decode(ScaleFormat f, bool gate_up, GemmPath path, const GemmParams&
 // activations are K-permuted (prefill_k_source): launch_prefill_permute
 // writes the permuted copy of the hidden rows for gate/up, whose epilogue
 // writes act permuted for down.
-bool prefill_shape_ok(std::uint32_t hidden, std::uint32_t intermediate);
+// prefill_shape_ok is in moe/call_plan.hpp.
 bool configure_prefill_kernels(int device);
 void launch_prefill_permute(const std::uint16_t* in, std::uint16_t* out, std::uint32_t rows, std::uint32_t k,
                             bool chained, cudaStream_t stream);

@@ -10,30 +10,16 @@
 #include "csfmoe/errors.hpp"
 #include "csfmoe/moe_cuda.hpp"
 #include "cuda/moe/launchers.hpp"
+#include "cuda/primitives/cuda_check.hpp"
+#include "moe/call_plan.hpp"
 #include "moe/stage_read_index.hpp"
 
 namespace csfmoe {
 
 namespace {
 
+using cuda_detail::DeviceGuard;
 using moe_detail::kTileM;
-
-void cuda_check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw CudaError(fmt::format("{}: {}", what, cudaGetErrorString(err)));
-}
-
-// Switches to `device` for the scope, restoring the caller's device.
-struct DeviceGuard {
-  int previous = -1;
-  explicit DeviceGuard(int device) {
-    cuda_check(cudaGetDevice(&previous), "cudaGetDevice");
-    if (previous != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int now = -1;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous) (void)cudaSetDevice(previous);
-  }
-};
 
 // A device pointer argument: non-null, aligned, resident on `device`.
 void check_pointer(const void* p, const char* name, int device, std::size_t align,
@@ -127,15 +113,13 @@ namespace {
 
 // The stage-read index of one CSF tensor, built on the host from its
 // exception records and row prefix (a few MB for a large layer).
-moe_detail::StageReadIndex host_stage_read_index(const DeviceCsfTensor& t, const moe_detail::IndexRows& rows,
-                                                 const char* name) {
+moe_detail::StageReadIndex host_stage_read_index(const DeviceCsfTensor& t,
+                                                 const moe_detail::IndexRows& rows) {
   const CsfDeviceView& v = t.view();
   std::vector<std::uint32_t> records(v.num_exceptions), prefix(v.geometry.total_rows() + 1);
   if (!records.empty())
-    cuda_check(cudaMemcpy(records.data(), v.exceptions, records.size() * 4, cudaMemcpyDeviceToHost),
-               fmt::format("prepare_weights: read the {} exception records", name).c_str());
-  cuda_check(cudaMemcpy(prefix.data(), v.row_prefix, prefix.size() * 4, cudaMemcpyDeviceToHost),
-             fmt::format("prepare_weights: read the {} row prefix", name).c_str());
+    CSFMOE_CUDA_CHECK(cudaMemcpy(records.data(), v.exceptions, records.size() * 4, cudaMemcpyDeviceToHost));
+  CSFMOE_CUDA_CHECK(cudaMemcpy(prefix.data(), v.row_prefix, prefix.size() * 4, cudaMemcpyDeviceToHost));
   return moe_detail::build_stage_read_index(v.geometry, rows, records, prefix);
 }
 
@@ -188,7 +172,7 @@ MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const
     out.src_.w13_scales = nullptr;
     out.src_.w2_scales = nullptr;
   }
-  cuda_check(cudaStreamSynchronize(stream), "prepare_weights: stream synchronize");
+  CSFMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   const MoeLayerGeometry& geo = plan.geometry;
   if (csf && plan.constraints.stage_read_max_tokens > 0 &&
       moe_detail::decode_shape_ok(geo.hidden, geo.intermediate)) {
@@ -197,16 +181,20 @@ MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const
     moe_detail::IndexRows r13, r2;
     r13.first_half = geo.order == GateUpOrder::w13 ? 0 : geo.intermediate;
     r13.second_half = geo.order == GateUpOrder::w13 ? geo.intermediate : 0;
-    r13.stride = 16;
-    r13.blocks_per_expert = geo.intermediate / 16;
-    r2.blocks_per_expert = geo.hidden / 32;
-    const moe_detail::StageReadIndex i13 = host_stage_read_index(out.w13_csf_, r13, "w13"),
-                                     i2 = host_stage_read_index(out.w2_csf_, r2, "w2");
+    using moe_detail::kDecodeHalfRows;
+    using moe_detail::kDecodeRows;
+    static_assert(moe_detail::IndexRows{}.stride == kDecodeRows &&
+                      moe_detail::IndexRows{}.second_half == kDecodeHalfRows,
+                  "the index's default rows are a down row block");
+    r13.stride = kDecodeHalfRows;
+    r13.blocks_per_expert = geo.intermediate / kDecodeHalfRows;
+    r2.blocks_per_expert = geo.hidden / kDecodeRows;
+    const moe_detail::StageReadIndex i13 = host_stage_read_index(out.w13_csf_, r13),
+                                     i2 = host_stage_read_index(out.w2_csf_, r2);
     const std::uint64_t at2 = round_up(i13.bytes.size(), 256), total = at2 + i2.bytes.size();
     if (total != 0) {
       void* d = nullptr;
-      cuda_check(cudaMalloc(&d, total),
-                 fmt::format("prepare_weights: allocate {} bytes of stage-read index", total).c_str());
+      CSFMOE_CUDA_CHECK(cudaMalloc(&d, total));
       const int device = w.device;
       out.index_storage_ = std::shared_ptr<void>(d, [device](void* q) {
         try {
@@ -219,8 +207,7 @@ MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const
       const auto place = [&](const moe_detail::StageReadIndex& i, std::uint64_t at,
                              MoeWeights::StageReadIndexView& view) {
         if (i.bytes.empty()) return;
-        cuda_check(cudaMemcpy(base + at, i.bytes.data(), i.bytes.size(), cudaMemcpyHostToDevice),
-                   "prepare_weights: upload the stage-read index");
+        CSFMOE_CUDA_CHECK(cudaMemcpy(base + at, i.bytes.data(), i.bytes.size(), cudaMemcpyHostToDevice));
         view = {base + at, i.capacity, i.block_bytes, i.blocks_per_expert, i.bytes.size()};
       };
       place(i13, 0, out.w13_index_);
@@ -248,47 +235,16 @@ std::uint64_t moe_workspace_bytes(const MoePlan& plan, std::uint32_t max_tokens)
   return layout_of(plan, max_tokens).total;
 }
 
-namespace {
-// The smallest T that runs the prefill kernel: the option, or the measured
-// crossover of 16 rows per expert on average.
-std::uint32_t prefill_threshold(const MoeBindOptions& o, const MoeLayerGeometry& g) {
-  if (o.prefill_min_tokens != 0) return o.prefill_min_tokens;
-  const std::uint64_t rows = 16ull * g.experts;
-  return std::uint32_t(std::max<std::uint64_t>(1, (rows + g.topk - 1) / g.topk));
-}
-}  // namespace
-
-MoeScaleMode BoundMoe::mode_for(std::uint32_t tokens) const {
-  if (options_.force_mode) return *options_.force_mode;
-  const MoePlan& p = weights_->plan();
-  if (p.constraints.compression == ScaleCompression::none) return MoeScaleMode::native;
-  if (scales_expanded_) return MoeScaleMode::expanded;
-  // Calls the prefill kernel runs expand their routed experts (it reads dense
-  // scales) where the layer has a scratch: at DeepSeek-V3 T = 1024, routed +
-  // prefill took 4.8 ms, stage-read + decode 10.6 ms (bench/RESULTS.md).
-  const bool prefill =
-      prefill_ok_ && weights_->scratch() && tokens >= prefill_threshold(options_, p.geometry);
-  return tokens <= p.constraints.stage_read_max_tokens && !prefill ? MoeScaleMode::stage_read
-                                                                   : MoeScaleMode::routed;
-}
-
-const char* to_string(MoeKernel k) {
-  return k == MoeKernel::decode ? "decode" : k == MoeKernel::prefill ? "prefill" : "tiled";
-}
-
-MoeKernel BoundMoe::kernel_for(std::uint32_t tokens) const {
-  if (prefill_ok_ && tokens >= prefill_threshold(options_, weights_->plan().geometry) &&
-      mode_for(tokens) != MoeScaleMode::stage_read)
-    return MoeKernel::prefill;
-  return decode_ok_ && tokens <= options_.decode_max_tokens ? MoeKernel::decode : MoeKernel::tiled;
+MoeCallPlan BoundMoe::call_plan(std::uint32_t tokens) const {
+  return plan_call(weights_->plan(), caps_, tokens, scales_expanded_, weights_->scratch().has_value(),
+                   options_);
 }
 
 std::uint32_t BoundMoe::invalid_id_count() const {
   DeviceGuard guard(weights_->source().device);
   int header[2] = {0, 0};
-  cuda_check(cudaMemcpyAsync(header, workspace_.data, sizeof header, cudaMemcpyDeviceToHost, stream_),
-             "invalid_id_count: copy");
-  cuda_check(cudaStreamSynchronize(stream_), "invalid_id_count: synchronize");
+  CSFMOE_CUDA_CHECK(cudaMemcpyAsync(header, workspace_.data, sizeof header, cudaMemcpyDeviceToHost, stream_));
+  CSFMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return std::uint32_t(header[1]);
 }
 
@@ -325,31 +281,28 @@ BoundMoe bind(const MoeWeights& w, cudaStream_t stream, std::uint32_t max_tokens
                     "scale_scratch (max_tokens {})",
                     p.constraints.stage_read_max_tokens, max_tokens));
   }
+  try {
+    validate(options.tuning);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(std::string("bind: ") + e.what());
+  }
   BoundMoe b;
   const MoeLayerGeometry& g = p.geometry;
-  if (options.decode_max_tokens > 0 && moe_detail::decode_shape_ok(g.hidden, g.intermediate)) {
-    int optin = 0;
-    cuda_check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, w.source().device),
-               "bind: shared memory per block");
-    const std::uint32_t need =
-        std::max(moe_detail::decode_smem_bytes(g.hidden), moe_detail::decode_smem_bytes(g.intermediate));
-    if (need <= std::uint32_t(optin)) {
-      moe_detail::configure_decode_kernels(std::uint32_t(optin));
-      int sms = 0;
-      cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, w.source().device),
-                 "bind: multiprocessor count");
-      b.sm_count_ = std::uint32_t(sms);
-      b.decode_ok_ = true;
-    }
-  }
-  if (prefill_threshold(options, g) <= max_tokens && moe_detail::prefill_shape_ok(g.hidden, g.intermediate))
-    b.prefill_ok_ = moe_detail::configure_prefill_kernels(w.source().device);
-  if (options.programmatic_launch) {
-    int major = 0;
-    cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, w.source().device),
-               "bind: compute capability");
-    b.chained_ = major >= 9;
-  }
+  const int dev = w.source().device;
+  int sms = 0, optin = 0, major = 0, minor = 0;
+  CSFMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  CSFMOE_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  CSFMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CSFMOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  b.caps_.sm_count = std::uint32_t(sms);
+  b.caps_.smem_per_block_optin = std::uint32_t(optin);
+  b.caps_.cc_major = major;
+  b.caps_.cc_minor = minor;
+  if (moe_detail::decode_possible(p, b.caps_, options))
+    moe_detail::configure_decode_kernels(std::uint32_t(optin));
+  if (moe_detail::prefill_threshold(options, g) <= max_tokens &&
+      moe_detail::prefill_shape_ok(g.hidden, g.intermediate))
+    b.caps_.prefill_kernels = moe_detail::configure_prefill_kernels(dev);
   b.weights_ = &w;
   b.stream_ = stream;
   b.max_tokens_ = max_tokens;
@@ -376,7 +329,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   // Attribute queries are not stream work, but skip them while capturing so
   // that run() adds nothing but kernels to a graph.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  cuda_check(cudaStreamIsCapturing(b.stream_, &capture), "run: cudaStreamIsCapturing");
+  CSFMOE_CUDA_CHECK(cudaStreamIsCapturing(b.stream_, &capture));
   const bool resid = capture == cudaStreamCaptureStatusNone;
   check_pointer(hidden, "run: hidden", dev, 16, resid);
   check_pointer(out, "run: out", dev, 16, resid);
@@ -389,7 +342,8 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
     if (lo(out) < lo(hidden) + act_bytes && lo(hidden) < lo(out) + act_bytes)
       throw InvalidArgument("run: out overlaps hidden");
   }
-  const MoeScaleMode mode = b.mode_for(tokens);
+  const MoeCallPlan plan = b.call_plan(tokens);
+  const MoeScaleMode mode = plan.mode;
 
   const Layout l = layout_of(p, b.max_tokens_);
   auto* base = static_cast<unsigned char*>(b.workspace_.data);
@@ -402,7 +356,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   const std::uint32_t slots = tokens * g.topk;
   const std::uint64_t tiles = moe_detail::max_tiles(slots, g.experts);
 
-  moe_detail::launch_routing(topk_ids, id_type, slots, g.experts, r, b.chained_, b.stream_);
+  moe_detail::launch_routing(topk_ids, id_type, slots, g.experts, r, plan.programmatic_launch, b.stream_);
 
   moe_detail::ScaleSource s13, s2;
   switch (mode) {
@@ -433,7 +387,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   gp.tile_expert = r.tile_expert;
   gp.sorted_slot = r.sorted_slot;
   gp.max_tiles = std::uint32_t(tiles);
-  gp.sm_count = b.sm_count_;
+  gp.sm_count = b.caps_.sm_count;
   gp.a = static_cast<const std::uint16_t*>(hidden);
   gp.topk = g.topk;
   gp.w = w.source().w13;
@@ -445,29 +399,20 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   gp.gate_row0 = g.order == GateUpOrder::w13 ? 0 : g.intermediate;
   gp.up_row0 = g.order == GateUpOrder::w13 ? g.intermediate : 0;
   gp.act = act;
-  gp.chained = b.chained_;
-  // Token passes of 8 while nearly every expert tile holds at most 8 rows (one
-  // pass): up to 32 tokens, or up to 4 routed rows per expert on average; a
-  // wider pass's larger register set costs per pass, and only the 8-token
-  // pass prefetches its activations (H200, passes of 8 instead of 16:
-  // DeepSeek-V3 T = 64 2377 -> 2097 us, T = 128 2702 -> 2482; Qwen3-30B-A3B
-  // T = 64 equal, T = 128, 8 rows per expert, 228 -> 252 us: hence the bound).
-  // Passes of 16 (hardly spilling) up to 512 tokens, of 32 (the fewest weight
-  // re-reads per tile, but spilling) above.
+  gp.chained = plan.programmatic_launch;
   using moe_detail::GemmPath;
-  const MoeKernel kernel = b.kernel_for(tokens);
-  const bool passes_of_8 = tokens <= 32 || std::uint64_t(tokens) * g.topk <= 4ull * g.experts;
-  const GemmPath path = kernel == MoeKernel::tiled     ? GemmPath::tiled
-                        : kernel == MoeKernel::prefill ? GemmPath::prefill
-                        : passes_of_8                  ? GemmPath::decode_8
-                        : tokens <= 512                ? GemmPath::decode_16
-                                                       : GemmPath::decode_32;
+  const GemmPath path = plan.kernel == MoeKernel::tiled     ? GemmPath::tiled
+                        : plan.kernel == MoeKernel::prefill ? GemmPath::prefill
+                        : plan.token_pass == 8              ? GemmPath::decode_8
+                        : plan.token_pass == 16             ? GemmPath::decode_16
+                                                            : GemmPath::decode_32;
+  gp.decode = plan.gate_up;
   if (path == GemmPath::prefill) {
     // The prefill kernel reads K-permuted activations. slot_out is written
     // only by the down GEMM, after gate/up has read this copy.
     auto* permuted = reinterpret_cast<std::uint16_t*>(slot_out);
     moe_detail::launch_prefill_permute(static_cast<const std::uint16_t*>(hidden), permuted, tokens, g.hidden,
-                                       b.chained_, b.stream_);
+                                       plan.programmatic_launch, b.stream_);
     gp.a = permuted;
   }
   moe_detail::launch_gate_up(p.format, path, gp, b.stream_);
@@ -481,6 +426,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   dp.global = w.source().w2_global;
   dp.act = nullptr;
   dp.slot_out = slot_out;
+  dp.decode = plan.down;
   moe_detail::launch_down(p.format, path, dp, b.stream_);
 
   moe_detail::CombineParams cp;
@@ -492,7 +438,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   cp.topk = g.topk;
   cp.hidden = std::uint32_t(H);
   cp.experts = g.experts;
-  cp.chained = b.chained_;
+  cp.chained = plan.programmatic_launch;
   moe_detail::launch_combine(id_type, cp, b.stream_);
   (void)N;
 }

@@ -1,15 +1,18 @@
-// Instantiations and dispatch table of the Hopper prefill (wgmma) MoE GEMMs.
+// Instantiations and dispatch of the Hopper prefill (wgmma) MoE GEMMs.
 #include <string>
 
 #include "csfmoe/errors.hpp"
-#include "cuda/primitives/launch.cuh"
+#include "cuda/moe/dispatch.hpp"
 #include "cuda/moe/prefill_kernel.cuh"
+#include "cuda/primitives/launch.cuh"
+#include "moe/call_plan.hpp"
 
 namespace csfmoe::moe_detail {
 
-namespace {
+static_assert(kPrefillHiddenStep == kPrefillRows && kPrefillIntermediateStep == kPrefillKBlock,
+              "prefill_shape_ok (moe/call_plan.hpp) describes this kernel's tiles");
 
-using PrefillFn = void (*)(const GemmParams&, cudaStream_t);
+namespace {
 
 template <ScaleFormat F, ScaleKind K, bool GateUp>
 void prefill_launch(const GemmParams& p, cudaStream_t stream) {
@@ -19,33 +22,7 @@ void prefill_launch(const GemmParams& p, cudaStream_t stream) {
                 dim3(p.max_tiles, row_blocks), dim3(kPrefillThreads), kPrefillSmem, stream, p);
 }
 
-template <ScaleFormat F, ScaleKind K, bool GateUp>
-cudaError_t prefill_configure() {
-  return cudaFuncSetAttribute(&moe_prefill_kernel<F, K, GateUp>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              int(kPrefillSmem));
-}
-
-// [format][dense scale kind: row-major, swizzled][gate_up]
-#define CSFMOE_PREFILL_KIND(F, K, FN) \
-  { &FN<F, K, false>, &FN<F, K, true> }
-#define CSFMOE_PREFILL_FORMAT(F, FN)                          \
-  {                                                           \
-    CSFMOE_PREFILL_KIND(F, ScaleKind::dense_row_major, FN),   \
-        CSFMOE_PREFILL_KIND(F, ScaleKind::dense_swizzled, FN) \
-  }
-constexpr PrefillFn kPrefill[2][2][2] = {CSFMOE_PREFILL_FORMAT(ScaleFormat::nvfp4, prefill_launch),
-                                         CSFMOE_PREFILL_FORMAT(ScaleFormat::mxfp4, prefill_launch)};
-using ConfigureFn = cudaError_t (*)();
-constexpr ConfigureFn kConfigure[2][2][2] = {CSFMOE_PREFILL_FORMAT(ScaleFormat::nvfp4, prefill_configure),
-                                             CSFMOE_PREFILL_FORMAT(ScaleFormat::mxfp4, prefill_configure)};
-#undef CSFMOE_PREFILL_FORMAT
-#undef CSFMOE_PREFILL_KIND
-
 }  // namespace
-
-bool prefill_shape_ok(std::uint32_t hidden, std::uint32_t intermediate) {
-  return hidden % kPrefillRows == 0 && intermediate % kPrefillKBlock == 0;
-}
 
 bool configure_prefill_kernels(int device) {
   cudaDeviceProp prop{};
@@ -55,16 +32,20 @@ bool configure_prefill_kernels(int device) {
   }
   // wgmma exists on sm_90 only (this build's sm_90a code).
   if (prop.major != 9 || prop.minor != 0 || prop.sharedMemPerBlockOptin < kPrefillSmem) return false;
-  for (const auto& by_format : kConfigure)
-    for (const auto& by_kind : by_format)
-      for (ConfigureFn fn : by_kind) {
-        const cudaError_t err = fn();
+  for_each_value(ScaleFormats{}, [&]<ScaleFormat F>() {
+    for_each_value(DenseScaleKinds{}, [&]<ScaleKind K>() {
+      for_each_value(Projections{}, [&]<bool GateUp>() {
+        const cudaError_t err =
+            cudaFuncSetAttribute(&moe_prefill_kernel<F, K, GateUp>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, int(kPrefillSmem));
         if (err != cudaSuccess) {
           (void)cudaGetLastError();
           throw CudaError(std::string("configure the prefill MoE kernels (") + std::to_string(kPrefillSmem) +
                           " bytes of shared memory): " + cudaGetErrorString(err));
         }
-      }
+      });
+    });
+  });
   return true;
 }
 
@@ -81,7 +62,11 @@ void launch_prefill_permute(const std::uint16_t* in, std::uint16_t* out, std::ui
 void launch_prefill(ScaleFormat f, bool gate_up, const GemmParams& p, cudaStream_t stream) {
   if (p.scales.kind == ScaleKind::csf)
     throw Unsupported("prefill MoE kernel: stage-read CSF scales run on the decode kernel");
-  kPrefill[int(f)][int(p.scales.kind)][gate_up ? 1 : 0](p, stream);
+  dispatch_format(f, [&]<ScaleFormat F>() {
+    dispatch_dense_scale_kind(p.scales.kind, [&]<ScaleKind K>() {
+      dispatch_gate_up(gate_up, [&]<bool GateUp>() { prefill_launch<F, K, GateUp>(p, stream); });
+    });
+  });
 }
 
 }  // namespace csfmoe::moe_detail

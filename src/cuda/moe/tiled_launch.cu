@@ -1,12 +1,12 @@
-// Instantiations and dispatch table of the grouped MoE GEMMs.
-#include "cuda/primitives/launch.cuh"
+// Instantiations and dispatch of the grouped (tiled) MoE GEMMs, and the entry
+// points that route a GEMM to its kernel family.
+#include "cuda/moe/dispatch.hpp"
 #include "cuda/moe/tiled_kernel.cuh"
+#include "cuda/primitives/launch.cuh"
 
 namespace csfmoe::moe_detail {
 
 namespace {
-
-using GemmFn = void (*)(const GemmParams&, cudaStream_t);
 
 template <ScaleFormat F, ScaleKind K, bool GateUp>
 void gemm(const GemmParams& p, cudaStream_t stream) {
@@ -15,40 +15,32 @@ void gemm(const GemmParams& p, cudaStream_t stream) {
                 dim3(kGemmThreads), 0, stream, p);
 }
 
-// [format][scale kind][gate_up]
-constexpr GemmFn kGemm[2][3][2] = {
-    {{&gemm<ScaleFormat::nvfp4, ScaleKind::dense_row_major, false>,
-      &gemm<ScaleFormat::nvfp4, ScaleKind::dense_row_major, true>},
-     {&gemm<ScaleFormat::nvfp4, ScaleKind::dense_swizzled, false>,
-      &gemm<ScaleFormat::nvfp4, ScaleKind::dense_swizzled, true>},
-     {&gemm<ScaleFormat::nvfp4, ScaleKind::csf, false>, &gemm<ScaleFormat::nvfp4, ScaleKind::csf, true>}},
-    {{&gemm<ScaleFormat::mxfp4, ScaleKind::dense_row_major, false>,
-      &gemm<ScaleFormat::mxfp4, ScaleKind::dense_row_major, true>},
-     {&gemm<ScaleFormat::mxfp4, ScaleKind::dense_swizzled, false>,
-      &gemm<ScaleFormat::mxfp4, ScaleKind::dense_swizzled, true>},
-     {&gemm<ScaleFormat::mxfp4, ScaleKind::csf, false>, &gemm<ScaleFormat::mxfp4, ScaleKind::csf, true>}},
-};
+void launch_tiled(ScaleFormat f, bool gate_up, const GemmParams& p, cudaStream_t stream) {
+  dispatch_format(f, [&]<ScaleFormat F>() {
+    dispatch_scale_kind(p.scales.kind, [&]<ScaleKind K>() {
+      dispatch_gate_up(gate_up, [&]<bool GateUp>() { gemm<F, K, GateUp>(p, stream); });
+    });
+  });
+}
+
+void launch_gemm(ScaleFormat f, bool gate_up, GemmPath path, const GemmParams& p, cudaStream_t stream) {
+  if (p.max_tiles == 0) return;
+  if (path == GemmPath::tiled)
+    launch_tiled(f, gate_up, p, stream);
+  else if (path == GemmPath::prefill)
+    launch_prefill(f, gate_up, p, stream);
+  else
+    launch_decode(f, gate_up, path, p, stream);
+}
 
 }  // namespace
 
 void launch_gate_up(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t stream) {
-  if (p.max_tiles == 0) return;
-  if (path == GemmPath::tiled)
-    kGemm[int(f)][int(p.scales.kind)][1](p, stream);
-  else if (path == GemmPath::prefill)
-    launch_prefill(f, true, p, stream);
-  else
-    launch_decode(f, true, path, p, stream);
+  launch_gemm(f, true, path, p, stream);
 }
 
 void launch_down(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t stream) {
-  if (p.max_tiles == 0) return;
-  if (path == GemmPath::tiled)
-    kGemm[int(f)][int(p.scales.kind)][0](p, stream);
-  else if (path == GemmPath::prefill)
-    launch_prefill(f, false, p, stream);
-  else
-    launch_decode(f, false, path, p, stream);
+  launch_gemm(f, false, path, p, stream);
 }
 
 }  // namespace csfmoe::moe_detail

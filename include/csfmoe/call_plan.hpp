@@ -1,0 +1,116 @@
+// The launch plan of one MoE layer call: which scale mode and GEMM kernel it
+// runs, and for the decode kernel the block shape of each GEMM. plan_call is a
+// pure host function of the layer plan, the device's capabilities, T and the
+// binding's options; bind (moe_cuda.hpp) reads the capabilities once and
+// BoundMoe::call_plan applies it per call. Nothing here needs CUDA.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "csfmoe/moe.hpp"
+
+namespace csfmoe {
+
+// The GEMM kernels a call can run on: the weight-streaming decode kernel
+// (tokens are the MMA's narrow side; best while experts see few tokens), the
+// Hopper prefill kernel (wgmma; large calls on sm_90), or the tiled kernel
+// (64 x 64 tiles; any shape and device). All give results within the same
+// error bound; each is deterministic, and all scale modes one kernel runs
+// give identical bits.
+enum class MoeKernel { decode, tiled, prefill };
+const char* to_string(MoeKernel k);
+
+// Explicit block shape of the decode kernel (benchmarks, tests); -1 = auto
+// (the rules below). Every field is checked by validate(MoeDecodeTuning).
+struct MoeDecodeTuning {
+  // Warps per block: 1, 2, 4 or 8 (fewer where K has fewer K blocks of 128).
+  int warps = -1;
+  // Row blocks a block streams in turn, 1..64, where the launch can run them
+  // (dense scales, passes of 8 tokens, >= 4 K blocks per warp); else 1.
+  int row_block_run = -1;
+  // K blocks per ring copy: 1 turns paired copies off (auto: pairs where
+  // every warp gets whole pairs, the same number each).
+  int copy_kblocks = -1;
+  // The automatic warps rule (docs/moe-api.md), 1..1024 each: K blocks per
+  // warp to aim for, the fewest per warp, and the launch waves to fill.
+  int kblocks_per_warp = -1;
+  int min_kblocks_per_warp = -1;
+  int waves = -1;
+};
+
+// Throws InvalidArgument naming the first field outside its allowed values.
+void validate(const MoeDecodeTuning& tuning);
+
+struct MoeBindOptions {
+  // Force one scale mode for every call (tests, benchmarks); it must suit the
+  // layer: native needs compression none, the others csf, expanded and
+  // routed a scratch.
+  std::optional<MoeScaleMode> force_mode;
+  // Calls with T <= decode_max_tokens run the decode kernel, larger ones the
+  // tiled kernel; 0 means always tiled. Layers whose H or N is not a multiple
+  // of 128, or whose decode kernel would not fit the device's shared memory,
+  // always run tiled. The default covers every measured size (T = 1..8192),
+  // where the decode kernel was the faster of the two (docs/moe-api.md).
+  std::uint32_t decode_max_tokens = 8192;
+  // Calls with T >= prefill_min_tokens run the prefill kernel where it
+  // applies: an sm_90 device, H a multiple of 256 and N of 128, a call whose
+  // scales are dense (native, expanded or routed; a stage-read call runs the
+  // decode kernel). It takes precedence over decode_max_tokens; 0xFFFFFFFF
+  // never uses it. 0 (the default): T * top_k >= 16 * E, 16 rows per expert
+  // on average (docs/moe-api.md).
+  std::uint32_t prefill_min_tokens = 0;
+  // On sm_90 and newer, launch the layer's kernels as programmatic dependents
+  // of the one before (PDL): each may start while the previous one drains,
+  // and the down GEMM streams its first weights before gate/up has finished.
+  // Results are bit-identical either way; false launches them strictly in
+  // stream order (for profilers, or streams shared with kernels that
+  // misuse PDL).
+  bool programmatic_launch = true;
+  // Decode kernel block shape overrides (-1 = auto).
+  MoeDecodeTuning tuning;
+};
+
+// What bind reads from the layer's device.
+struct MoeDeviceCaps {
+  std::uint32_t sm_count = 0;
+  std::uint32_t smem_per_block_optin = 0;  // bytes of dynamic shared memory a block may opt in to
+  int cc_major = 0, cc_minor = 0;          // compute capability
+  // The prefill kernels run here (sm_90, their shared memory fits) and are
+  // configured (bind does so only when the binding can reach prefill_min_tokens).
+  bool prefill_kernels = false;
+};
+
+// Block shape of one decode-kernel GEMM launch.
+struct MoeDecodeShape {
+  std::uint32_t warps = 0;          // per block
+  std::uint32_t row_block_run = 1;  // row blocks each block streams in turn
+  std::uint32_t copy_kblocks = 1;   // K blocks per ring copy (1 or 2)
+  std::uint32_t smem_bytes = 0;     // dynamic shared memory per block
+};
+
+struct MoeCallPlan {
+  MoeScaleMode mode = MoeScaleMode::native;
+  MoeKernel kernel = MoeKernel::tiled;
+  // Decode kernel: tokens per pass over a tile's rows (8, 16 or 32); 0 for
+  // the other kernels.
+  std::uint32_t token_pass = 0;
+  MoeDecodeShape gate_up, down;  // decode kernel only
+  bool programmatic_launch = false;
+};
+
+// The plan of a call of T = tokens on a layer bound with `scales_expanded`
+// whose weights hold a scale scratch (`has_scratch`). The rules (also in
+// docs/moe-api.md):
+//   mode: force_mode, else native (compression none), else expanded
+//     (scales_expanded), else stage_read for T <= stage_read_max_tokens unless
+//     the call runs the prefill kernel and the layer has a scratch, else routed.
+//   kernel: prefill where the device and shape allow it, T >= the prefill
+//     threshold and the mode is not stage_read; else decode where the shape
+//     and shared memory allow it and T <= decode_max_tokens; else tiled.
+//   token pass: 8 while T <= 32 or T * k <= 4 * E, 16 while T <= 512, else 32.
+// Throws InvalidArgument for invalid options.tuning.
+MoeCallPlan plan_call(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint32_t tokens,
+                      bool scales_expanded, bool has_scratch, const MoeBindOptions& options);
+
+}  // namespace csfmoe
