@@ -35,6 +35,9 @@
 // Correctness: T = 1 and 8 against the float64 CPU reference (experts are 16
 // distinct synthetic ones replicated to E), all modes of one kernel bitwise
 // equal; prefill calls against the decode kernel's output (relative difference).
+// The JSON lines carry FNV-1a hashes of the native and stage-read outputs
+// (out_hash, stage_hash), so that two builds can be compared bitwise
+// (scripts/lab/gpu-ab-commits).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -57,6 +60,16 @@
 #include "csfmoe/moe_cuda.hpp"
 
 using namespace csfmoe;
+
+// FNV-1a 64 over the bf16 output bytes.
+static unsigned long long output_hash(const std::vector<std::uint16_t>& v) {
+  unsigned long long h = 1469598103934665603ull;
+  for (std::uint16_t x : v) {
+    h = (h ^ (x & 0xFFu)) * 1099511628211ull;
+    h = (h ^ (x >> 8)) * 1099511628211ull;
+  }
+  return h;
+}
 
 #if CSFMOE_DECODE_TIMELINE
 namespace csfmoe::moe_detail {  // src/cuda/moe/decode_launch.cu, diagnostic builds
@@ -672,11 +685,12 @@ int main(int argc, char** argv) {
                      "\"expanded_us\":%.2f,\"routed_us\":%.2f,\"stage_read_us\":%.2f,\"tiled_us\":%.2f,"
                      "\"decode_us\":%.2f,\"prefill_us\":%.2f,\"serial_us\":%.2f,"
                      "\"bf16_cublas_us\":%.2f,\"flops\":%.4g,\"dense_bf16_TFLOPs\":%.1f,\"copy_GBps\":%.1f,"
-                     "\"rel_err\":%.3g,\"rel_diff_decode\":%.3g,\"modes_identical\":%s}\n",
+                     "\"rel_err\":%.3g,\"rel_diff_decode\":%.3g,\"modes_identical\":%s,"
+                     "\"out_hash\":\"%016llx\",\"stage_hash\":\"%016llx\"}\n",
                      shape.name.c_str(), std::string(to_string(args.format)).c_str(), T, distinct,
                      kernel.c_str(), roof_native, roof_csf, us[0], us[1], us[2], us[3], us[4], us[5], us[6],
                      us[7], peer_us, flops, dense_rate / 1e12, bw / 1e9, err_v, vs_decode,
-                     same ? "true" : "false");
+                     same ? "true" : "false", output_hash(outs[0]), output_hash(outs[3]));
       ck(cudaFree(id_sets), "free");
       ck(cudaFree(wt_sets), "free");
     }
