@@ -30,18 +30,36 @@ csfmoe_build() {
   cmake --build "$build" -j "$(nproc)" "$@"
 }
 
-# Device machine (no package registry): when the build's -dev packages are
+# Device machine (no package registry): when a header the build needs is
 # missing, unpacks the .deb files carried in $1/.devdeps (scripts/stage-device)
-# into /tmp/csfmoe-deps and points CMake and the loader at them.
+# into /tmp/csfmoe-deps and points CMake and the loader at them. Says what it
+# did on stdout; returns 1 if a .deb could not be unpacked.
 csfmoe_device_deps() {
-  local root=$1
-  [[ -f /usr/include/fmt/core.h ]] && return 0
-  local prefix=/tmp/csfmoe-deps deb z
-  mkdir -p $prefix
-  for deb in "$root"/.devdeps/*.deb; do dpkg-deb -x "$deb" $prefix; done
-  local lib=$prefix/usr/lib/x86_64-linux-gnu
+  local root=$1 missing=0 h
+  for h in gtest/gtest.h fmt/core.h nlohmann/json.hpp CLI/CLI.hpp zlib.h benchmark/benchmark.h; do
+    [[ -f /usr/include/$h ]] || missing=1
+  done
+  ((missing == 0)) && return 0
+  if ! compgen -G "$root/.devdeps/*.deb" >/dev/null; then
+    echo "dependencies missing and no .devdeps/*.deb carried: the build will likely fail"
+    return 0
+  fi
+  local prefix=/tmp/csfmoe-deps deb z lib status=0
+  mkdir -p "$prefix"
+  for deb in "$root"/.devdeps/*.deb; do
+    dpkg-deb -x "$deb" "$prefix" || {
+      echo "cannot unpack $deb"
+      status=1
+    }
+  done
+  lib=$prefix/usr/lib/x86_64-linux-gnu
   # zlib1g-dev's libz.so is an absolute link to the packaging system's libz.
-  z=$(ls $prefix/lib/x86_64-linux-gnu/libz.so.1.* $prefix/usr/lib/x86_64-linux-gnu/libz.so.1.* 2>/dev/null | head -1)
-  [[ -e $lib/libz.so ]] || ln -sf "$z" $lib/libz.so
-  export CMAKE_PREFIX_PATH=$prefix/usr LD_LIBRARY_PATH=$lib:$prefix/lib/x86_64-linux-gnu
+  if [[ ! -e $lib/libz.so ]]; then
+    z=$(ls "$prefix"/lib/x86_64-linux-gnu/libz.so.1.* "$prefix"/usr/lib/x86_64-linux-gnu/libz.so.1.* 2>/dev/null | head -1)
+    [[ -n $z ]] && ln -sf "$z" "$lib/libz.so"
+  fi
+  export CMAKE_PREFIX_PATH=$prefix/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
+  export LD_LIBRARY_PATH=$lib:$prefix/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  echo "dependencies: using carried .debs unpacked in $prefix"
+  return $status
 }

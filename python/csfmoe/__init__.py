@@ -49,4 +49,4 @@ def expand_scales(csf: CsfScales, out=None, layout=None, topk_ids=None):
     return csf.expand_into(out, layout, topk_ids)
 
 
-__version__ = "0.1.0"
+__version__ = _csfmoe.__version__  # CMakeLists.txt project() version

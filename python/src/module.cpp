@@ -60,6 +60,7 @@ NB_MODULE(_csfmoe, m) {
   m.attr("has_moe_cuda") = false;
 #endif
   m.attr("has_moe") = true;
+  m.attr("__version__") = CSFMOE_VERSION;  // CMake project() version
   bind_codec(m);
   bind_checkpoint(m);
   bind_moe(m);

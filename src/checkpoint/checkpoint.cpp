@@ -33,15 +33,6 @@ std::uint32_t crc_join(std::uint32_t a, std::uint32_t b, std::uint64_t len_b) {
   return static_cast<std::uint32_t>(crc32_combine64(a, b, static_cast<z_off64_t>(len_b)));
 }
 
-template <class T>
-std::span<const std::uint8_t> as_bytes(const std::vector<T>& v) {
-  return {reinterpret_cast<const std::uint8_t*>(v.data()), v.size() * sizeof(T)};
-}
-
-bool ends_with(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
 struct Job {
   const CompressOptions& opt;
   std::uint64_t done = 0, total = 0;
@@ -57,8 +48,7 @@ CodecOptions codec_options(const CompressOptions& o) {
   return c;
 }
 
-// The container entry of scale tensor t stored as CSF (the upper bound pass
-// uses UINT32_MAX and the largest exception count).
+// The container entry of scale tensor t stored as CSF.
 CsfEntry csf_entry(const st::TensorInfo& t, const ScaleCandidate& c, std::uint32_t crc32,
                    std::uint64_t exceptions) {
   CsfEntry e;
@@ -161,52 +151,20 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
     }
   }
 
-  // Upper bound of the container header: every candidate in CSF form with
-  // the largest possible counts and offsets, plus room for its native form.
+  // Upper bound of the container header, reserved before the data is written.
   ContainerInfo info = base_info(src);
   std::optional<st::Metadata> md = src.header().metadata;
-  std::uint64_t reserve = 1024;
-  {
-    ContainerInfo ub = info;
-    ub.original_file_crc32 = UINT32_MAX;
-    std::vector<st::TensorInfo> tens;
-    std::uint64_t off = 0;
-    auto push = [&](const std::string& n, st::Dtype d, std::uint64_t bytes,
-                    std::vector<std::uint64_t> shape) {
-      st::TensorInfo t;
-      t.name = n;
-      t.dtype = d;
-      t.shape = std::move(shape);
-      t.begin = off;
-      off += bytes;
-      t.end = off;
-      tens.push_back(std::move(t));
-    };
-    for (const auto* t : order) {
-      const ScaleCandidate* c = det.find(t->name);
-      ub.native_crc32[t->name] = UINT32_MAX;
-      if (c && geoms.count(t->name)) {
-        const CsfGeometry& g = geoms.at(t->name);
-        const std::uint64_t values = std::uint64_t{c->shape.experts} * c->shape.rows * c->shape.cols;
-        const std::uint64_t rp = g.total_rows() + 1;
-        const std::uint64_t pi = std::uint64_t{g.partitions_per_expert} * c->shape.experts + 1;
-        const auto p = part_names(t->name);
-        push(p.fixed, st::Dtype::U8, g.fixed_bytes(), {g.fixed_bytes()});
-        push(p.exceptions, st::Dtype::U32, 4 * values, {values});
-        push(p.row_prefix, st::Dtype::U32, 4 * rp, {rp});
-        push(p.partition_index, st::Dtype::U32, 4 * pi, {pi});
-        ub.csf.push_back(csf_entry(*t, *c, UINT32_MAX, values));
-        // Its native entry (if kept) and the reason string in the descriptor.
-        reserve += 2 * ojson(t->name).dump().size() + 21 * (t->shape.size() + 2) + 512;
-      } else {
-        push(t->name, t->dtype, t->nbytes(), t->shape);
-        if (c) reserve += 2 * ojson(t->name).dump().size() + 512;
-      }
+  std::vector<BoundTensor> bound_tensors;
+  for (const auto* t : order) {
+    BoundTensor& b = bound_tensors.emplace_back();
+    b.tensor = t;
+    if (const ScaleCandidate* c = det.find(t->name)) {
+      b.scale = true;
+      b.layer = c->layer;
+      if (auto g = geoms.find(t->name); g != geoms.end()) b.csf = &g->second;
     }
-    st::Metadata ubmd = md.value_or(st::Metadata{});
-    put_container_metadata(ub, ubmd);
-    reserve += st::Writer::header_json_size(tens, ubmd);
   }
+  const std::uint64_t reserve = container_header_bound(info, bound_tensors, md);
   if (write && reserve > st::kMaxHeaderBytes)
     throw Unsupported(
         fmt::format("{}: the container header would need up to {} bytes, over the safetensors limit of {}",
@@ -249,14 +207,7 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
           stored_csf = true;
           tr.action = TensorAction::csf;
           stored_bytes = enc.encoded_bytes();
-          if (w) {
-            const auto p = part_names(t->name);
-            w->add_tensor(p.fixed, st::Dtype::U8, {enc.fixed.size()}, enc.fixed);
-            w->add_tensor(p.exceptions, st::Dtype::U32, {enc.exceptions.size()}, as_bytes(enc.exceptions));
-            w->add_tensor(p.row_prefix, st::Dtype::U32, {enc.row_prefix.size()}, as_bytes(enc.row_prefix));
-            w->add_tensor(p.partition_index, st::Dtype::U32, {enc.partition_index.size()},
-                          as_bytes(enc.partition_index));
-          }
+          if (w) write_csf_parts(*w, t->name, enc);
           info.csf.push_back(csf_entry(*t, *cand, c32, enc.exceptions.size()));
           result.csf_names.insert(t->name);
         }
@@ -530,7 +481,7 @@ Folder open_folder(const fs::path& in) {
     if (n == st::kIndexFileName) {
       st::resolve_inside(in, n, (in / n).string());
       f.index = st::read_shard_index(in / n);
-    } else if (ends_with(n, ".safetensors")) {
+    } else if (n.ends_with(".safetensors")) {
       const fs::path p = st::resolve_inside(in, n, in.string());
       f.files.emplace_back(n, st::File::open(p));
     } else {

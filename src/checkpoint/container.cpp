@@ -1,4 +1,5 @@
-// Container descriptor and restore record (JSON inside __metadata__ strings).
+// The CSF container: descriptor and restore record (JSON inside __metadata__
+// strings), the CSF part tensors, and the header-size bound.
 #include "checkpoint/container.hpp"
 
 #include <fmt/format.h>
@@ -185,6 +186,71 @@ std::optional<ContainerInfo> get_container_metadata(const std::optional<st::Meta
 
 namespace {
 constexpr char kB64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+template <class T>
+std::span<const std::uint8_t> as_bytes(const std::vector<T>& v) {
+  return {reinterpret_cast<const std::uint8_t*>(v.data()), v.size() * sizeof(T)};
+}
+
+}  // namespace
+
+void write_csf_parts(st::Writer& w, const std::string& name, const CsfTensor& t) {
+  const auto p = part_names(name);
+  w.add_tensor(p.fixed, st::Dtype::U8, {t.fixed.size()}, t.fixed);
+  w.add_tensor(p.exceptions, st::Dtype::U32, {t.exceptions.size()}, as_bytes(t.exceptions));
+  w.add_tensor(p.row_prefix, st::Dtype::U32, {t.row_prefix.size()}, as_bytes(t.row_prefix));
+  w.add_tensor(p.partition_index, st::Dtype::U32, {t.partition_index.size()}, as_bytes(t.partition_index));
+}
+
+std::uint64_t container_header_bound(const ContainerInfo& base, const std::vector<BoundTensor>& tensors,
+                                     const std::optional<st::Metadata>& metadata) {
+  std::uint64_t bound = 1024;
+  ContainerInfo ub = base;
+  ub.original_file_crc32 = UINT32_MAX;
+  std::vector<st::TensorInfo> tens;
+  std::uint64_t off = 0;
+  auto push = [&](const std::string& n, st::Dtype d, std::uint64_t bytes, std::vector<std::uint64_t> shape) {
+    st::TensorInfo t;
+    t.name = n;
+    t.dtype = d;
+    t.shape = std::move(shape);
+    t.begin = off;
+    off += bytes;
+    t.end = off;
+    tens.push_back(std::move(t));
+  };
+  for (const BoundTensor& b : tensors) {
+    const st::TensorInfo* t = b.tensor;
+    ub.native_crc32[t->name] = UINT32_MAX;
+    if (b.csf) {
+      const CsfGeometry& g = *b.csf;
+      const std::uint64_t values = std::uint64_t{g.shape.experts} * g.shape.rows * g.shape.cols;
+      const std::uint64_t rp = g.total_rows() + 1;
+      const std::uint64_t pi = std::uint64_t{g.partitions_per_expert} * g.shape.experts + 1;
+      const auto p = part_names(t->name);
+      push(p.fixed, st::Dtype::U8, g.fixed_bytes(), {g.fixed_bytes()});
+      push(p.exceptions, st::Dtype::U32, 4 * values, {values});
+      push(p.row_prefix, st::Dtype::U32, 4 * rp, {rp});
+      push(p.partition_index, st::Dtype::U32, 4 * pi, {pi});
+      CsfEntry e;
+      e.name = t->name;
+      e.dtype = t->dtype;
+      e.shape = t->shape;
+      e.grid = g.shape;
+      e.crc32 = UINT32_MAX;
+      e.exceptions = values;
+      e.layer = b.layer;
+      ub.csf.push_back(std::move(e));
+      // Its native entry (if kept) and the reason string in the descriptor.
+      bound += 2 * ojson(t->name).dump().size() + 21 * (t->shape.size() + 2) + 512;
+    } else {
+      push(t->name, t->dtype, t->nbytes(), t->shape);
+      if (b.scale) bound += 2 * ojson(t->name).dump().size() + 512;
+    }
+  }
+  st::Metadata ubmd = metadata.value_or(st::Metadata{});
+  put_container_metadata(ub, ubmd);
+  return bound + st::Writer::header_json_size(tens, ubmd);
 }
 
 std::string base64_encode(std::string_view in) {

@@ -1,4 +1,5 @@
-// The CSF container's metadata (internal; docs/container-format.md is the spec).
+// The CSF container format (internal; docs/container-format.md is the spec):
+// its metadata, the CSF part tensors, and the bound on its header size.
 #pragma once
 
 #include <cstdint>
@@ -61,6 +62,24 @@ void put_container_metadata(const ContainerInfo& info, st::Metadata& md);
 // Reads them back; std::nullopt if the file is not a container; FormatError if malformed.
 std::optional<ContainerInfo> get_container_metadata(const std::optional<st::Metadata>& md,
                                                     const std::string& label);
+
+// Writes the four part tensors of CSF tensor `name` (what load_csf_parts reads).
+void write_csf_parts(st::Writer& w, const std::string& name, const CsfTensor& t);
+
+// A tensor of the source file as the container header bound sees it.
+struct BoundTensor {
+  const st::TensorInfo* tensor = nullptr;
+  const CsfGeometry* csf = nullptr;  // set when it may be stored as CSF
+  std::string layer;                 // the MoE layer of a CSF candidate
+  bool scale = false;                // a block-scale tensor (a native one carries its reason)
+};
+
+// Upper bound of the container header for `tensors` (in data order): every
+// CSF candidate with the largest possible counts, offsets and CRCs, plus room
+// for its native entry and reason string. `base` holds the restore record of
+// the original file, `metadata` its own __metadata__.
+std::uint64_t container_header_bound(const ContainerInfo& base, const std::vector<BoundTensor>& tensors,
+                                     const std::optional<st::Metadata>& metadata);
 
 // Loads and validates the four parts of CSF tensor `e` from container file
 // `c` (untrusted: shapes, dtypes and the parts themselves are checked);

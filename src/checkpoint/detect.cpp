@@ -8,10 +8,6 @@
 namespace csfmoe::detail {
 namespace {
 
-bool ends_with(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
 std::string shape_str(const std::vector<std::uint64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
 
 // Checks scale grid [.., Rs, Cs] against a weight of R rows by K elements with
@@ -54,9 +50,9 @@ Detection detect_scales(const st::Header& header, ScaleLayout layout, const std:
   for (const auto& t : header.tensors) {
     std::string companion;
     bool gptoss = false;
-    if (ends_with(t.name, ".weight_scale")) {
+    if (t.name.ends_with(".weight_scale")) {
       companion = t.name.substr(0, t.name.size() - 6);  // "X.weight_scale" -> "X.weight"
-    } else if (ends_with(t.name, "_scales")) {
+    } else if (t.name.ends_with("_scales")) {
       companion = t.name.substr(0, t.name.size() - 7) + "_blocks";
       gptoss = true;
     } else {

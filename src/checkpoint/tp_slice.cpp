@@ -19,10 +19,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-bool ends_with(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
 struct Sliced {
   std::vector<std::uint64_t> shape;
   std::vector<std::uint8_t> bytes;  // empty when the tensor is copied as is
@@ -52,7 +48,7 @@ class FileSlicer {
     if (const ScaleCandidate* c = det_.find(t.name)) {
       // A block-scale grid: slice its true rows/cols, keep its layout.
       const st::TensorInfo* w = f_.find(c->companion);
-      const bool blocks = ends_with(c->companion, "_blocks");
+      const bool blocks = c->companion.ends_with("_blocks");
       const std::uint64_t R = w->shape[nd - 2];
       const std::uint64_t K = blocks ? w->shape[nd - 1] * 32 : w->shape[nd - 1] * 2;
       const std::uint64_t cols = K / group_size(c->shape.format);
@@ -76,12 +72,12 @@ class FileSlicer {
     std::uint64_t granule = 1;
     if (auto it = by_companion_.find(t.name); it != by_companion_.end()) {
       // Packed FP4 weight: [.., R, K/2] bytes or [.., R, K/32, 16] blocks.
-      const bool blocks = ends_with(t.name, "_blocks");
+      const bool blocks = t.name.ends_with("_blocks");
       const std::size_t row_axis = blocks ? nd - 3 : nd - 2, col_axis = blocks ? nd - 2 : nd - 1;
       axis = split == TpSplit::cols ? col_axis : row_axis;
       // Column pieces must be whole scale groups (bytes per group: g/2).
       if (split == TpSplit::cols && !blocks) granule = group_size(it->second->shape.format) / 2;
-    } else if (ends_with(t.name, "bias")) {
+    } else if (t.name.ends_with("bias")) {
       // Down-projection biases are not split: whoever sums the ranks adds them once.
       if (split == TpSplit::cols || nd == 0) return out;
       axis = nd - 1;
@@ -169,7 +165,7 @@ void slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsigned tp, u
     if (fs::is_symlink(fs::symlink_status(p, ec)))
       throw Unsupported(
           fmt::format("{}: '{}' is a symlink; tensor-parallel slicing needs plain files", in.string(), n));
-    if (ends_with(n, ".safetensors")) {
+    if (n.ends_with(".safetensors")) {
       const st::File f = st::File::open(st::resolve_inside(in, n, in.string()));
       FileSlicer(f, tp, rank, layout).write(out / n);
     } else {

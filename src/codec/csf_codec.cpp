@@ -23,7 +23,7 @@
 #include <emmintrin.h>
 #endif
 
-#include "common/parallel.hpp"
+#include "common/cpu_threads.hpp"
 #include "csfmoe/codec.hpp"
 #include "csfmoe/errors.hpp"
 
@@ -733,7 +733,7 @@ CsfTensor fast_encode(const CsfGeometry& g, std::span<const u8> src, unsigned th
   std::vector<std::vector<u32>> task_recs(tasks);
   u32* counts = t.row_prefix.data() + 1;  // per-row counts first, scanned below
 
-  parallel_for(tasks, threads, [&](std::size_t task) {
+  cpu_threads::for_each_index(tasks, threads, [&](std::size_t task) {
     thread_local std::vector<u32> hist;
     thread_local std::vector<u8> scratch;
     // Scratch rows padded off a power of two: with strides of 2^k the tile
@@ -809,7 +809,7 @@ CsfTensor fast_encode(const CsfGeometry& g, std::span<const u8> src, unsigned th
     t.row_prefix[i] = static_cast<u32>(total);
   }
   t.exceptions.resize(total);
-  parallel_for(tasks, threads, [&](std::size_t task) {
+  cpu_threads::for_each_index(tasks, threads, [&](std::size_t task) {
     const u32 e = static_cast<u32>(task / units);
     const u32 r0 = static_cast<u32>(task % units) * unit;
     const auto& recs = task_recs[task];
@@ -1048,7 +1048,7 @@ void fast_decode(const CsfTensor& t, std::span<const u32> experts, ScaleLayout l
   const u32 unit = mx_swz ? 128 : task_rows(g);
   const u32 units = static_cast<u32>((mx_swz ? swz_rows(g.shape.rows) : g.padded_rows) / unit);
   const std::size_t per = native_per_expert(g, layout);
-  parallel_for(experts.size() * units, threads, [&](std::size_t task) {
+  cpu_threads::for_each_index(experts.size() * units, threads, [&](std::size_t task) {
     const u32 e = experts[task / units];
     const u32 u = static_cast<u32>(task % units);
     u8* out = dst.data() + std::size_t{e} * per;

@@ -26,9 +26,6 @@ namespace {
 
 using Bytes = std::vector<std::uint8_t>;
 
-bool ends_with(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
 std::string shape_str(const std::vector<std::uint64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
 
 // One safetensors file seen through its logical (original) tensors: for a CSF
@@ -51,7 +48,7 @@ class Source {
     if (fs::is_directory(path, ec)) {
       std::vector<std::string> names;
       for (const auto& de : fs::directory_iterator(path))
-        if (ends_with(de.path().filename().string(), ".safetensors"))
+        if (de.path().filename().string().ends_with(".safetensors"))
           names.push_back(de.path().filename().string());
       std::sort(names.begin(), names.end());
       if (names.empty())

@@ -7,7 +7,7 @@
 #include <limits>
 #include <string>
 
-#include "common/parallel.hpp"
+#include "common/cpu_threads.hpp"
 #include "csfmoe/errors.hpp"
 #include "csfmoe/moe.hpp"
 #include "csfmoe/quantize.hpp"
@@ -90,7 +90,7 @@ void reference_impl(const MoeHostWeights& w, std::span<const std::uint16_t> hidd
 
   // One task per token: slots are summed in slot order so the result does not
   // depend on the thread count.
-  parallel_for(tokens, threads, [&](std::size_t t) {
+  cpu_threads::for_each_index(tokens, threads, [&](std::size_t t) {
     std::vector<double> x(H), gu(2 * N), act(N), y(H), acc(H, 0.0);
     for (std::uint64_t h = 0; h < H; ++h) x[h] = double(bf16_to_float(hidden[t * H + h]));
     for (std::uint64_t j = 0; j < k; ++j) {
@@ -148,7 +148,7 @@ MoeHostWeights synthetic_moe_weights(ScaleFormat f, const MoeLayerGeometry& g, s
   w.w2_scales.resize(E * H * (N / G));
   w.w2_global.resize(E);
   if (fast) {
-    parallel_for(E, 0, [&](std::size_t e) {
+    cpu_threads::for_each_index(E, 0, [&](std::size_t e) {
       Mix m{seed ^ (0xA5A5ull + e * 0x10001ull)};
       const auto fill = [&](std::uint8_t* p, std::uint64_t n) {
         for (std::uint64_t i = 0; i < n; i += 8) {
@@ -169,7 +169,7 @@ MoeHostWeights synthetic_moe_weights(ScaleFormat f, const MoeLayerGeometry& g, s
     w.w2_scales = synthetic_scales(s2, ScaleDistribution::realistic, seed * 3 + 2);
     return w;
   }
-  parallel_for(2 * E, 0, [&](std::size_t i) {
+  cpu_threads::for_each_index(2 * E, 0, [&](std::size_t i) {
     const std::uint64_t e = i / 2;
     const bool down = i % 2;
     const std::uint64_t rows = down ? H : 2 * N, cols = down ? N : H;

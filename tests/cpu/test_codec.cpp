@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "common/parallel.hpp"
+#include "common/cpu_threads.hpp"
 #include "csfmoe/codec.hpp"
 #include "csfmoe/errors.hpp"
 #include "csfmoe/synthetic.hpp"
@@ -139,21 +139,21 @@ TEST(ParallelFor, VisitsEveryIndexOnce) {
   for (unsigned threads : {0u, 1u, 2u, 7u}) {
     const std::size_t n = 1000 + threads;
     std::vector<std::atomic<int>> hits(n);
-    parallel_for(n, threads, [&](std::size_t i) { hits[i].fetch_add(1); });
+    cpu_threads::for_each_index(n, threads, [&](std::size_t i) { hits[i].fetch_add(1); });
     for (std::size_t i = 0; i < n; ++i)
       ASSERT_EQ(hits[i].load(), 1) << "index " << i << " threads " << threads;
   }
-  parallel_for(0, 4, [](std::size_t) { FAIL() << "called for an empty range"; });
-  EXPECT_GE(resolve_threads(0), 1u);
-  EXPECT_EQ(resolve_threads(5), 5u);
+  cpu_threads::for_each_index(0, 4, [](std::size_t) { FAIL() << "called for an empty range"; });
+  EXPECT_GE(cpu_threads::resolve_count(0), 1u);
+  EXPECT_EQ(cpu_threads::resolve_count(5), 5u);
 }
 
 TEST(ParallelFor, RethrowsTheFirstError) {
   for (unsigned threads : {1u, 3u}) {
-    EXPECT_THROW(parallel_for(100, threads,
-                              [](std::size_t i) {
-                                if (i == 42) throw FormatError("boom");
-                              }),
+    EXPECT_THROW(cpu_threads::for_each_index(100, threads,
+                                             [](std::size_t i) {
+                                               if (i == 42) throw FormatError("boom");
+                                             }),
                  FormatError);
   }
 }

@@ -13,8 +13,6 @@
 
 namespace {
 
-constexpr const char* CSF_VERSION = "0.1.0";
-
 std::string one_line(std::string s) {
   for (auto& c : s)
     if (c == '\n' || c == '\r') c = ' ';
@@ -28,7 +26,7 @@ int main(int argc, char** argv) {
   using namespace csfmoe::cli;
   CLI::App app{"csf: lossless CSF compression of NVFP4/MXFP4 block scales in safetensors checkpoints"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", std::string("csf ") + CSF_VERSION);
+  app.set_version_flag("--version", std::string("csf ") + CSFMOE_VERSION);
 
   const auto layouts = CLI::IsMember({"row_major", "swizzled_128x4"});
   const auto formats = CLI::IsMember({"nvfp4", "mxfp4"});
@@ -116,7 +114,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForVersion&) {
-    fmt::print("csf {}\n", CSF_VERSION);
+    fmt::print("csf {}\n", CSFMOE_VERSION);
     return 0;
   } catch (const CLI::ParseError& e) {
     fmt::print(stderr, "csf: usage error: {} (see csf --help)\n", one_line(e.what()));

@@ -1,4 +1,4 @@
-#include "common/parallel.hpp"
+#include "common/cpu_threads.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -7,17 +7,17 @@
 #include <thread>
 #include <vector>
 
-namespace csfmoe {
+namespace csfmoe::cpu_threads {
 
-unsigned resolve_threads(unsigned threads) noexcept {
+unsigned resolve_count(unsigned threads) noexcept {
   if (threads != 0) return threads;
   const unsigned hw = std::thread::hardware_concurrency();
   return hw == 0 ? 1u : hw;
 }
 
-void parallel_for(std::size_t n, unsigned threads, const std::function<void(std::size_t)>& fn) {
+void for_each_index(std::size_t n, unsigned threads, const std::function<void(std::size_t)>& fn) {
   if (n == 0) return;
-  const std::size_t workers = std::min<std::size_t>(resolve_threads(threads), n);
+  const std::size_t workers = std::min<std::size_t>(resolve_count(threads), n);
   if (workers <= 1) {
     for (std::size_t i = 0; i < n; ++i) fn(i);
     return;
@@ -54,4 +54,4 @@ void parallel_for(std::size_t n, unsigned threads, const std::function<void(std:
   if (error) std::rethrow_exception(error);
 }
 
-}  // namespace csfmoe
+}  // namespace csfmoe::cpu_threads
