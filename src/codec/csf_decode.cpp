@@ -45,7 +45,7 @@ inline void patch_row(const CsfTensor& t, u32 e, u32 r, u8* out, std::size_t out
   const CsfGeometry& g = t.geometry;
   const std::size_t gr = std::size_t{e} * g.padded_rows + r;
   const u32 first = t.row_prefix[gr], last = t.row_prefix[gr + 1];
-  const u32 pos0 = r * g.padded_cols;
+  const u32 pos0 = csf::position(r, 0, g.padded_cols);
   for (u32 i = first; i < last; ++i) {
     const u32 rec = t.exceptions[i];
     const u32 c = exception_position(rec) - pos0;
@@ -59,7 +59,7 @@ inline void patch_row(const CsfTensor& t, u32 e, u32 r, u8* out, std::size_t out
 void nv_decode_slab(const CsfTensor& t, u32 e, u32 s, ScaleLayout layout, u8* out) {
   const CsfGeometry& g = t.geometry;
   const u8* slab = t.fixed.data() + std::size_t{e} * g.fixed_bytes_per_expert + std::size_t{s} * g.slab_bytes;
-  const u8* nib = slab + 128;
+  const u8* nib = slab + csf::slab_base_bytes(kNv);
   const u32 groups = g.padded_cols / 4;
   const u32 R = g.shape.rows, C = g.shape.cols;
   const u32 r0 = s * 128;
@@ -134,12 +134,13 @@ inline void mx_expand_row(const u8* mask, u8 base, u32 cols, u8* dst) {
 void mx_decode_rows(const CsfTensor& t, u32 e, u32 r0, u8* out) {
   const CsfGeometry& g = t.geometry;
   const u32 R = g.shape.rows, C = g.shape.cols;
-  const u32 mb = mx_mask_bytes(g.padded_cols);
+  const u32 mb = csf::mxfp4_mask_bytes(g.padded_cols);
   const u8* fixed_e = t.fixed.data() + std::size_t{e} * g.fixed_bytes_per_expert;
   const u32 r_end = std::min(r0 + 64, R);
   for (u32 r = r0; r < r_end; ++r) {
-    const u8* slab = fixed_e + std::size_t{r / 16} * g.slab_bytes;
-    mx_expand_row(slab + 16 + std::size_t{r % 16} * mb, slab[r % 16], C, out + std::size_t{r} * C);
+    const u8* slab = fixed_e + std::size_t{csf::slab_index(kMx, r)} * g.slab_bytes;
+    mx_expand_row(slab + csf::mxfp4_row_mask(r, mb), slab[csf::base_index(kMx, r)], C,
+                  out + std::size_t{r} * C);
     patch_row<false>(t, e, r, out, C);
   }
 }
@@ -162,9 +163,9 @@ void mx_decode_swizzled_band_fast(const CsfTensor& t, u32 e, u32 r0, u8* out) {
   u64 b[128];
   for (u32 j = 0; j < 128; ++j) {
     const u32 r = r0 + j;
-    const u8* slab = fixed_e + std::size_t{r / 16} * g.slab_bytes;
-    m[j] = slab + 16 + std::size_t{r % 16} * mb;
-    b[j] = u64{slab[r % 16]} * ones;
+    const u8* slab = fixed_e + std::size_t{csf::slab_index(kMx, r)} * g.slab_bytes;
+    m[j] = slab + csf::mxfp4_row_mask(r, mb);
+    b[j] = u64{slab[csf::base_index(kMx, r)]} * ones;
   }
   // Tile by tile, so the output is written as two sequential streams.
   for (u32 x = 0; x < mb; ++x) {
@@ -190,7 +191,7 @@ void mx_decode_swizzled_band(const CsfTensor& t, u32 e, u32 r0, u8* out) {
     mx_decode_swizzled_band_fast(t, e, r0, out);
     return;
   }
-  const u32 mb = mx_mask_bytes(g.padded_cols);
+  const u32 mb = csf::mxfp4_mask_bytes(g.padded_cols);
   const u8* fixed_e = t.fixed.data() + std::size_t{e} * g.fixed_bytes_per_expert;
   const u32 cols = static_cast<u32>(swz_cols(C));
   const std::size_t groups = cols / 4;
@@ -205,12 +206,12 @@ void mx_decode_swizzled_band(const CsfTensor& t, u32 e, u32 r0, u8* out) {
         std::memset(row, 0, cols);
         continue;
       }
-      const u8* slab = fixed_e + std::size_t{r / 16} * g.slab_bytes;
-      const u8 base = slab[r % 16];
-      mx_expand_row(slab + 16 + std::size_t{r % 16} * mb, base, C, row);
+      const u8* slab = fixed_e + std::size_t{csf::slab_index(kMx, r)} * g.slab_bytes;
+      const u8 base = slab[csf::base_index(kMx, r)];
+      mx_expand_row(slab + csf::mxfp4_row_mask(r, mb), base, C, row);
       std::memset(row + C, base, cols - C);  // padding columns hold the base
       const std::size_t gr = std::size_t{e} * g.padded_rows + r;
-      const u32 pos0 = r * g.padded_cols;
+      const u32 pos0 = csf::position(r, 0, g.padded_cols);
       for (u32 i = t.row_prefix[gr]; i < t.row_prefix[gr + 1]; ++i)
         row[exception_position(t.exceptions[i]) - pos0] = exception_value(t.exceptions[i]);
     }

@@ -248,9 +248,9 @@ RowResult fast_base(const u8* row, u32 n, u32* hist) {
 // Offsets of one NVFP4 row into its slab; exceptions written at `out` in
 // column order (the caller sized the room from the row's window count).
 u32* nv_fill_row(const u8* row, u32 C, u8 base, u8* slab, u32 r, u32 padded_cols, u32* out) {
-  u8* nib = slab + 128 + std::size_t{r % 32} * 8 + ((r % 128) / 32) * 2;  // group g at nib + g * 256
+  u8* nib = slab + csf::slab_base_bytes(kNv) + csf::nvfp4_row_in_group(r);  // group g at nib + g * 256
   const u8x16 bv = splat16(base);
-  const u32 pos0 = r * padded_cols;
+  const u32 pos0 = csf::position(r, 0, padded_cols);
   std::size_t c = 0;
   for (; c + 16 <= C; c += 16) {
     u8x16 d = load16(row + c) - bv;
@@ -312,7 +312,8 @@ inline u8x16 pack_low_bytes(u16x8 a, u16x8 b) {
 // recs[cursor[q]++] (cursor[q] < row_end[q] is checked).
 void nv_fill_quad(const u8* const rows[4], u32 C, const u8 bases[4], u8* slab, u32 k, u32 r0, u32 padded_cols,
                   u32* recs, u32* cursor, const u32* row_end) {
-  u8* nib = slab + 128 + std::size_t{k} * 8;  // group g at nib + g * 256, row q at + 2q
+  u8* nib = slab + csf::slab_base_bytes(kNv) +
+            csf::nvfp4_row_in_group(k);  // group g at nib + g * 256, row q at + 2q
   u8x16 bv[4];
   for (u32 q = 0; q < 4; ++q) bv[q] = splat16(bases[q]);
   std::size_t c = 0;
@@ -372,9 +373,9 @@ void nv_fill_quad(const u8* const rows[4], u32 C, const u8 bases[4], u8* slab, u
 
 // Offset bits of one MXFP4 row into its slab.
 u32* mx_fill_row(const u8* row, u32 C, u8 base, u8* slab, u32 r, u32 padded_cols, u32* out) {
-  u8* mask = slab + 16 + std::size_t{r % 16} * mx_mask_bytes(padded_cols);
+  u8* mask = slab + csf::mxfp4_row_mask(r, csf::mxfp4_mask_bytes(padded_cols));
   const u8x16 bv = splat16(base);
-  const u32 pos0 = r * padded_cols;
+  const u32 pos0 = csf::position(r, 0, padded_cols);
   std::size_t c = 0;
   for (; c + 16 <= C; c += 16) {
     u8x16 d = load16(row + c) - bv;
@@ -444,7 +445,7 @@ void nv_fill_tiles(const u8* tiles, u32 groups, const u8* slab_bases, u8* slab, 
         0x01010101u;
     std::memcpy(&bv[k], &b, 16);
   }
-  u8* nib = slab + 128;
+  u8* nib = slab + csf::slab_base_bytes(kNv);
   for (u32 gi = 0; gi < groups; ++gi) {
     const u8* tile = tiles + std::size_t{gi} * 512;
     u8* out = nib + std::size_t{gi} * 256;
@@ -521,11 +522,11 @@ CsfTensor fast_encode(const CsfGeometry& g, std::span<const u8> src, unsigned th
     u32* row_counts = counts + std::size_t{e} * g.padded_rows + r0;
     for (u32 i = 0; i < n; ++i) {
       const u32 r = r0 + i;
-      u8* slab = fixed_e + std::size_t{nv ? r / 128 : r / 16} * g.slab_bytes;
+      u8* slab = fixed_e + std::size_t{nv ? csf::slab_index(kNv, r) : csf::slab_index(kMx, r)} * g.slab_bytes;
       const RowResult res =
           nv ? fast_base<16>(row_of(i), C, hist.data()) : fast_base<2>(row_of(i), C, hist.data());
       bases[i] = res.base;
-      (nv ? slab[nv_base_offset(r)] : slab[r % 16]) = res.base;
+      slab[nv ? csf::base_index(kNv, r) : csf::base_index(kMx, r)] = res.base;
       cursor[i] = total;
       row_counts[i] = C - res.in_window;
       total += C - res.in_window;
@@ -554,7 +555,8 @@ CsfTensor fast_encode(const CsfGeometry& g, std::span<const u8> src, unsigned th
       u32* out = recs.data();
       for (u32 i = 0; i < n; ++i) {
         const u32 r = r0 + i;
-        u8* slab = fixed_e + std::size_t{nv ? r / 128 : r / 16} * g.slab_bytes;
+        u8* slab =
+            fixed_e + std::size_t{nv ? csf::slab_index(kNv, r) : csf::slab_index(kMx, r)} * g.slab_bytes;
         u32* end = nv ? nv_fill_row(row_of(i), C, bases[i], slab, r, g.padded_cols, out)
                       : mx_fill_row(row_of(i), C, bases[i], slab, r, g.padded_cols, out);
         if (end != out + row_counts[i]) internal_count_mismatch(e, r0);

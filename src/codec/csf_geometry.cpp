@@ -27,8 +27,8 @@ CsfGeometry CsfGeometry::of(const GridShape& s) {
   g.shape = s;
   g.partition_rows = csf_partition_rows(s.format);
   g.slab_rows = csf_slab_rows(s.format);
-  const u64 prow = round_up(s.rows, g.partition_rows);
-  const u64 pcol = round_up(s.cols, csf_col_granule(s.format));
+  const u64 prow = csf::padded_rows(s.format, s.rows);
+  const u64 pcol = csf::padded_cols(s.format, s.cols);
   if (prow * pcol >= csf_max_positions)
     throw InvalidArgument(
         fmt::format("CSF grid shape {}: one expert's padded grid is {}x{} = {} positions, but exception "
@@ -37,8 +37,8 @@ CsfGeometry CsfGeometry::of(const GridShape& s) {
                     describe(s), prow, pcol, prow * pcol, csf_max_positions - 1));
   g.padded_rows = static_cast<u32>(prow);
   g.padded_cols = static_cast<u32>(pcol);
-  g.slab_bytes = s.format == ScaleFormat::nvfp4 ? 128 * (1 + pcol / 2) : 16 * (1 + (pcol + 7) / 8);
-  g.fixed_bytes_per_expert = prow / g.slab_rows * g.slab_bytes;
+  g.slab_bytes = csf::slab_bytes(s.format, pcol);
+  g.fixed_bytes_per_expert = csf::slabs_per_expert(s.format, prow) * g.slab_bytes;
   g.partitions_per_expert = static_cast<u32>(prow / g.partition_rows);
   return g;
 }

@@ -20,6 +20,9 @@ using u64 = std::uint64_t;
 using u32 = std::uint32_t;
 using u8 = std::uint8_t;
 
+constexpr ScaleFormat kNv = ScaleFormat::nvfp4;
+constexpr ScaleFormat kMx = ScaleFormat::mxfp4;
+
 // GCC/Clang vector extensions: lowered to SSE2/AVX on x86 and NEON on ARM,
 // so one source serves every target.
 using u8x16 = u8 __attribute__((vector_size(16)));
@@ -38,49 +41,31 @@ inline std::string describe(const GridShape& s) {
 }
 
 // ---------------------------------------------------------------------------
-// Fixed-part addressing (rows are rows inside one expert).
+// Fixed-part access by (expert, row, col); the layout is csf_layout.hpp's.
 // ---------------------------------------------------------------------------
-constexpr std::size_t nv_base_offset(u32 r) { return std::size_t{r % 32} * 4 + (r % 128) / 32; }
-// Nibble index of (r, c) inside a slab's offset area (after the 128 bases).
-constexpr std::size_t nv_nibble_index(u32 r, u32 c) {
-  return std::size_t{c / 4} * 512 + std::size_t{r % 32} * 16 + ((r % 128) / 32) * 4 + (c % 4);
-}
-constexpr u32 mx_mask_bytes(u32 padded_cols) { return (padded_cols + 7) / 8; }
-
 struct Fixed {
   const CsfGeometry& g;
   u8* data;
 
   u8* slab(u32 e, u32 r) const {
-    return data + std::size_t{e} * g.fixed_bytes_per_expert + std::size_t{r / g.slab_rows} * g.slab_bytes;
+    return data + csf::slab_offset(g.shape.format, e, r, g.fixed_bytes_per_expert, g.slab_bytes);
   }
-  u8 base(u32 e, u32 r) const {
-    const u8* s = slab(e, r);
-    return g.shape.format == ScaleFormat::nvfp4 ? s[nv_base_offset(r)] : s[r % 16];
-  }
-  void set_base(u32 e, u32 r, u8 b) const {
-    u8* s = slab(e, r);
-    (g.shape.format == ScaleFormat::nvfp4 ? s[nv_base_offset(r)] : s[r % 16]) = b;
-  }
+  u8 base(u32 e, u32 r) const { return slab(e, r)[csf::base_index(g.shape.format, r)]; }
+  void set_base(u32 e, u32 r, u8 b) const { slab(e, r)[csf::base_index(g.shape.format, r)] = b; }
   u8 offset(u32 e, u32 r, u32 c) const {
     const u8* s = slab(e, r);
-    if (g.shape.format == ScaleFormat::nvfp4) {
-      const std::size_t n = nv_nibble_index(r, c);
-      return static_cast<u8>((s[128 + n / 2] >> ((n & 1) * 4)) & 0xF);
-    }
-    return static_cast<u8>((s[16 + std::size_t{r % 16} * mx_mask_bytes(g.padded_cols) + c / 8] >> (c % 8)) &
-                           1);
+    if (g.shape.format == ScaleFormat::nvfp4)
+      return static_cast<u8>((s[csf::nvfp4_offset_byte(r, c)] >> csf::nvfp4_offset_shift(r, c)) & 0xF);
+    return static_cast<u8>((s[csf::mxfp4_offset_byte(r, c, g.padded_cols)] >> csf::mxfp4_offset_bit(c)) & 1);
   }
   // The slot must still be 0 (the fixed part starts zeroed).
   void set_offset(u32 e, u32 r, u32 c, u8 off) const {
     u8* s = slab(e, r);
-    if (g.shape.format == ScaleFormat::nvfp4) {
-      const std::size_t n = nv_nibble_index(r, c);
-      s[128 + n / 2] = static_cast<u8>(s[128 + n / 2] | (off << ((n & 1) * 4)));
-    } else {
-      u8& m = s[16 + std::size_t{r % 16} * mx_mask_bytes(g.padded_cols) + c / 8];
-      m = static_cast<u8>(m | (off << (c % 8)));
-    }
+    u8& slot = g.shape.format == ScaleFormat::nvfp4 ? s[csf::nvfp4_offset_byte(r, c)]
+                                                    : s[csf::mxfp4_offset_byte(r, c, g.padded_cols)];
+    const u32 shift =
+        g.shape.format == ScaleFormat::nvfp4 ? csf::nvfp4_offset_shift(r, c) : csf::mxfp4_offset_bit(c);
+    slot = static_cast<u8>(slot | (off << shift));
   }
 };
 

@@ -56,7 +56,7 @@ CsfTensor reference_encode(const CsfGeometry& g, std::span<const u8> src) {
         if (v >= base && v < base + w) {
           fx.set_offset(e, r, c, static_cast<u8>(v - base));
         } else {
-          t.exceptions.push_back(make_exception(r * g.padded_cols + c, v));
+          t.exceptions.push_back(make_exception(csf::position(r, c, g.padded_cols), v));
           ++count;
         }
       }

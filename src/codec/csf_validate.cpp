@@ -102,7 +102,7 @@ static void validate_detailed(const CsfTensor& t) {
                 r, e, fx.offset(e, r, c), c));
         if (!nv) {
           // MXFP4 mask bits past the last column are padding too.
-          for (u32 c = Cp; c < mx_mask_bytes(Cp) * 8; ++c)
+          for (u32 c = Cp; c < csf::mxfp4_mask_bytes(Cp) * 8; ++c)
             if (fx.offset(e, r, c) != 0)
               throw FormatError(fmt::format(
                   "CSF fixed part: padding row {} of expert {} has mask bit {} set (padding must be 0)", r, e,
@@ -110,7 +110,7 @@ static void validate_detailed(const CsfTensor& t) {
         }
         continue;
       }
-      const u32 pad_end = nv ? Cp : mx_mask_bytes(Cp) * 8;
+      const u32 pad_end = nv ? Cp : csf::mxfp4_mask_bytes(Cp) * 8;
       for (u32 c = C; c < pad_end; ++c)
         if (fx.offset(e, r, c) != 0)
           throw FormatError(
@@ -122,7 +122,7 @@ static void validate_detailed(const CsfTensor& t) {
       for (u32 i = rp[gr]; i < rp[gr + 1]; ++i) {
         const u32 rec = t.exceptions[i];
         const u32 pos = exception_position(rec);
-        const u32 prow = pos / Cp, pcol = pos % Cp;
+        const u32 prow = csf::position_row(pos, Cp), pcol = csf::position_col(pos, Cp);
         const u32 index = i - expert_first;
         if (prow >= R || pcol >= C)
           throw FormatError(
@@ -177,7 +177,7 @@ static bool validate_fast(const CsfTensor& t) {
     bad |= t.partition_index[i] != rp[i * g.partition_rows];
   if (bad) return false;
   const u32* recs = t.exceptions.data();
-  const u32 mb = mx_mask_bytes(Cp);
+  const u32 mb = csf::mxfp4_mask_bytes(Cp);
   constexpr u8 max_base = static_cast<u8>(256 - w);
   // pos / Cp exactly for 24-bit pos and Cp < 2^24: floor(pos * m / 2^48).
   const u64 magic = (u64{1} << 48) / Cp + 1;
@@ -210,14 +210,14 @@ static bool validate_fast(const CsfTensor& t) {
       } else {
         for (u32 j = 0; j < SR; ++j) {
           const u32 r = r0 + j;
-          const u8 base = NV ? slab[nv_base_offset(j)] : slab[j];
+          const u8 base = slab[csf::base_index(NV ? kNv : kMx, j)];
           if (r < R) {
             bad |= base > max_base;
             continue;
           }
           // Padding row: base 0, no records, every offset 0.
-          const u8* row_nib =
-              NV ? slab + 128 + std::size_t{j % 32} * 8 + (j / 32) * 2 : slab + 16 + std::size_t{j} * mb;
+          const u8* row_nib = NV ? slab + csf::slab_base_bytes(kNv) + csf::nvfp4_row_in_group(j)
+                                 : slab + csf::mxfp4_row_mask(j, mb);
           u32 any = base | (rpe[r + 1] - rpe[r]);
           if constexpr (NV) {
             for (u32 gi = 0; gi < Cp / 4; ++gi)
@@ -230,8 +230,8 @@ static bool validate_fast(const CsfTensor& t) {
       }
       if (pad_cols) {
         for (u32 j = 0; j < SR && r0 + j < R; ++j) {
-          const u8* row_nib =
-              NV ? slab + 128 + std::size_t{j % 32} * 8 + (j / 32) * 2 : slab + 16 + std::size_t{j} * mb;
+          const u8* row_nib = NV ? slab + csf::slab_base_bytes(kNv) + csf::nvfp4_row_in_group(j)
+                                 : slab + csf::mxfp4_row_mask(j, mb);
           if constexpr (NV) {
             const u8* q = row_nib + std::size_t{C / 4} * 256;  // C % 4 in 1..3
             const u32 word = u32{q[0]} | u32{q[1]} << 8;       // nibble j = column 4 * (C / 4) + j
@@ -254,9 +254,9 @@ static bool validate_fast(const CsfTensor& t) {
         out |= i < rpe[r1] || i >= rpe[r1 + 1];
         const u32 j = out ? 0 : r1 - r0;
         const u32 cc = out ? 0 : c;
-        const u8* row_nib =
-            NV ? slab + 128 + std::size_t{j % 32} * 8 + (j / 32) * 2 : slab + 16 + std::size_t{j} * mb;
-        const u8 base = NV ? slab[nv_base_offset(j)] : slab[j];
+        const u8* row_nib = NV ? slab + csf::slab_base_bytes(kNv) + csf::nvfp4_row_in_group(j)
+                               : slab + csf::mxfp4_row_mask(j, mb);
+        const u8 base = slab[csf::base_index(NV ? kNv : kMx, j)];
         const u32 off = NV ? (row_nib[std::size_t{cc / 4} * 256 + (cc % 4) / 2] >> ((cc & 1) * 4)) & 0xF
                            : (row_nib[cc / 8] >> (cc % 8)) & 1;
         bad |= out | off | (u8(exception_value(rec) - base) < w);
