@@ -51,10 +51,7 @@ struct CsfGeometry {
   std::uint64_t fixed_bytes() const { return fixed_bytes_per_expert * shape.experts; }
   std::uint64_t total_rows() const { return std::uint64_t{padded_rows} * shape.experts; }
   // The layout parameters kernels and views carry (csfmoe/detail/csf_layout.hpp).
-  csf::LayoutView layout() const {
-    return {shape.format,          shape.rows, shape.cols, padded_rows, padded_cols, slab_bytes,
-            fixed_bytes_per_expert};
-  }
+  csf::LayoutView layout() const { return {fixed_bytes_per_expert, slab_bytes, padded_rows, padded_cols}; }
 };
 
 // An exception record: low 24 bits position, high 8 bits the original byte

@@ -65,13 +65,15 @@ CSFMOE_HD constexpr std::uint32_t base_index(ScaleFormat f, std::uint32_t row) {
 CSFMOE_HD constexpr std::uint32_t nvfp4_offset_nibble(std::uint32_t row, std::uint32_t col) {
   return (col / 4) * 512 + (row % 32) * 16 + ((row % 128) / 32) * 4 + (col % 4);
 }
-// NVFP4: byte of the slab holding the offset of (row, col), and its shift
-// (low nibble for even nibble indices).
+// NVFP4: byte of the slab holding nibble n, and its shift (low nibble for
+// even n); and the same for the offset of (row, col).
+CSFMOE_HD constexpr std::uint32_t nvfp4_nibble_byte(std::uint32_t n) { return 128 + n / 2; }
+CSFMOE_HD constexpr std::uint32_t nvfp4_nibble_shift(std::uint32_t n) { return (n & 1) * 4; }
 CSFMOE_HD constexpr std::uint32_t nvfp4_offset_byte(std::uint32_t row, std::uint32_t col) {
-  return 128 + nvfp4_offset_nibble(row, col) / 2;
+  return nvfp4_nibble_byte(nvfp4_offset_nibble(row, col));
 }
 CSFMOE_HD constexpr std::uint32_t nvfp4_offset_shift(std::uint32_t row, std::uint32_t col) {
-  return (nvfp4_offset_nibble(row, col) & 1) * 4;
+  return nvfp4_nibble_shift(nvfp4_offset_nibble(row, col));
 }
 // NVFP4: the row's two offset bytes (4 columns) of group 0 relative to the
 // offset area; group g is g * nvfp4_group_bytes further.
@@ -111,8 +113,10 @@ CSFMOE_HD constexpr std::uint32_t make_record(std::uint32_t position, std::uint8
   return (std::uint32_t{value} << record_position_bits) | (position & record_position_mask);
 }
 CSFMOE_HD constexpr std::uint32_t record_position(std::uint32_t rec) { return rec & record_position_mask; }
+// The byte, as a byte and as a 32-bit word (for kernels that shift it into place).
+CSFMOE_HD constexpr std::uint32_t record_value_u32(std::uint32_t rec) { return rec >> record_position_bits; }
 CSFMOE_HD constexpr std::uint8_t record_value(std::uint32_t rec) {
-  return static_cast<std::uint8_t>(rec >> record_position_bits);
+  return static_cast<std::uint8_t>(record_value_u32(rec));
 }
 
 // ---------------------------------------------------------------------------
@@ -121,14 +125,16 @@ CSFMOE_HD constexpr std::uint8_t record_value(std::uint32_t rec) {
 // (CsfGeometry::layout()) and embedded, never copied field by field.
 // ---------------------------------------------------------------------------
 struct LayoutView {
-  ScaleFormat format = ScaleFormat::nvfp4;
-  std::uint32_t rows = 0, cols = 0;                // true grid of one expert
-  std::uint32_t padded_rows = 0, padded_cols = 0;  // padded grid of one expert
-  std::uint64_t slab_bytes = 0;
+  // The format is not stored: kernels are compiled per format. The fields
+  // and their order are what the kernel parameter structs held before.
   std::uint64_t fixed_bytes_per_expert = 0;
+  std::uint64_t slab_bytes = 0;
+  std::uint32_t padded_rows = 0, padded_cols = 0;  // padded grid of one expert
 
+  // A template argument: a run-time format would divide by a run-time slab height.
+  template <ScaleFormat F>
   CSFMOE_HD std::uint64_t slab_offset(std::uint64_t expert, std::uint32_t row) const {
-    return csf::slab_offset(format, expert, row, fixed_bytes_per_expert, slab_bytes);
+    return csf::slab_offset(F, expert, row, fixed_bytes_per_expert, slab_bytes);
   }
   CSFMOE_HD std::uint32_t mask_bytes() const { return mxfp4_mask_bytes(padded_cols); }
   CSFMOE_HD std::uint32_t position(std::uint32_t row, std::uint32_t col) const {
