@@ -5,9 +5,9 @@
 // round trips and limits, and agreement with what the CPU encoder writes.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cstdint>
 #include <random>
-#include <set>
 #include <vector>
 
 #include "csfmoe/codec.hpp"
@@ -139,7 +139,7 @@ TEST(CsfLayout, EveryCellOfASlabHasItsOwnSlot) {
       // past the padded columns of each row's last mask byte.
       for (u32 b = 0; b < sr; ++b) EXPECT_NE(base_owner[b], -1);
       u64 used_bits = 0;
-      for (u64 i = sr; i < sb; ++i) used_bits += unsigned(__builtin_popcount(used[i]));
+      for (u64 i = sr; i < sb; ++i) used_bits += unsigned(std::popcount(used[i]));
       const u64 slots = u64{sr} * pc * (f == ScaleFormat::nvfp4 ? 4 : 1);
       EXPECT_EQ(used_bits, slots);
       if (f == ScaleFormat::nvfp4)
