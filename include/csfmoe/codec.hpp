@@ -11,6 +11,7 @@
 #include <span>
 #include <vector>
 
+#include "csfmoe/detail/csf_layout.hpp"
 #include "csfmoe/formats.hpp"
 
 namespace csfmoe {
@@ -49,14 +50,17 @@ struct CsfGeometry {
   std::uint64_t native_bytes(ScaleLayout layout) const;  // bytes of the native tensor in that layout
   std::uint64_t fixed_bytes() const { return fixed_bytes_per_expert * shape.experts; }
   std::uint64_t total_rows() const { return std::uint64_t{padded_rows} * shape.experts; }
+  // The layout parameters kernels and views carry (csfmoe/detail/csf_layout.hpp).
+  csf::LayoutView layout() const { return {fixed_bytes_per_expert, slab_bytes, padded_rows, padded_cols}; }
 };
 
-// An exception record: low 24 bits position, high 8 bits the original byte.
+// An exception record: low 24 bits position, high 8 bits the original byte
+// (csf::make_record and its inverses).
 constexpr std::uint32_t make_exception(std::uint32_t position, std::uint8_t value) {
-  return (std::uint32_t{value} << 24) | (position & 0xFFFFFFu);
+  return csf::make_record(position, value);
 }
-constexpr std::uint32_t exception_position(std::uint32_t rec) { return rec & 0xFFFFFFu; }
-constexpr std::uint8_t exception_value(std::uint32_t rec) { return static_cast<std::uint8_t>(rec >> 24); }
+constexpr std::uint32_t exception_position(std::uint32_t rec) { return csf::record_position(rec); }
+constexpr std::uint8_t exception_value(std::uint32_t rec) { return csf::record_value(rec); }
 
 // The encoded parts of one scale tensor.
 struct CsfTensor {

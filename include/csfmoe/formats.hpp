@@ -38,17 +38,17 @@ ScaleLayout parse_scale_layout(std::string_view s);
 // Elements of K covered by one block scale.
 constexpr unsigned group_size(ScaleFormat f) { return f == ScaleFormat::nvfp4 ? 16u : 32u; }
 // CSF window width W: a row's bytes in [base, base + W) are stored as offsets.
-constexpr unsigned csf_window(ScaleFormat f) { return f == ScaleFormat::nvfp4 ? 16u : 2u; }
+CSFMOE_HD constexpr unsigned csf_window(ScaleFormat f) { return f == ScaleFormat::nvfp4 ? 16u : 2u; }
 // Rows per slab of the CSF fixed part.
-constexpr unsigned csf_slab_rows(ScaleFormat f) { return f == ScaleFormat::nvfp4 ? 128u : 16u; }
+CSFMOE_HD constexpr unsigned csf_slab_rows(ScaleFormat f) { return f == ScaleFormat::nvfp4 ? 128u : 16u; }
 // Rows per partition-index entry; also the row padding granule.
-constexpr unsigned csf_partition_rows(ScaleFormat f) { return f == ScaleFormat::nvfp4 ? 128u : 64u; }
+CSFMOE_HD constexpr unsigned csf_partition_rows(ScaleFormat f) { return f == ScaleFormat::nvfp4 ? 128u : 64u; }
 // Column padding granule (NVFP4 offsets follow the 128x4 swizzle).
-constexpr unsigned csf_col_granule(ScaleFormat f) { return f == ScaleFormat::nvfp4 ? 4u : 1u; }
+CSFMOE_HD constexpr unsigned csf_col_granule(ScaleFormat f) { return f == ScaleFormat::nvfp4 ? 4u : 1u; }
 // Positions inside one expert's grid are 24-bit.
 constexpr std::uint64_t csf_max_positions = std::uint64_t{1} << 24;
 
-constexpr std::uint64_t round_up(std::uint64_t x, std::uint64_t m) { return (x + m - 1) / m * m; }
+CSFMOE_HD constexpr std::uint64_t round_up(std::uint64_t x, std::uint64_t m) { return (x + m - 1) / m * m; }
 
 // Byte index of (row, col) inside a 128x4-swizzled grid whose padded column
 // count is padded_cols (a multiple of 4). Tiles of 512 bytes are ordered by

@@ -282,13 +282,11 @@ def _shape(x) -> List[int]:
 
 def _unswizzle(raw: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """[.., Rp, Cp] bytes in swizzled_128x4 order -> row-major [.., rows, cols]
-    (csfmoe::swizzled_index, formats.hpp)."""
+    (the index map is csfmoe::swizzled_index, formats.hpp)."""
     rp, cp = int(raw.shape[-2]), int(raw.shape[-1])
-    r = torch.arange(rows).unsqueeze(1)
-    j = torch.arange(cols).unsqueeze(0)
-    idx = ((r // 128) * (cp // 4) + j // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + (j % 4)
+    idx = _C.swizzled_indices(rows, cols, cp)
     flat = raw.reshape(-1, rp * cp).view(torch.uint8)
-    out = flat[:, idx.reshape(-1).to(raw.device)]
+    out = flat[:, idx.to(raw.device)]
     return out.reshape(*raw.shape[:-2], rows, cols).view(raw.dtype)
 
 

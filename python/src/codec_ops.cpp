@@ -1,6 +1,6 @@
 // CPU codec bindings: geometry, encode, decode (all or some experts),
-// validate, stats. Inputs are read in place; encoded parts come back as torch
-// tensors that own the encoder's vectors.
+// validate, stats, and the 128x4 swizzle's index map. Inputs are read in place; encoded parts come back as
+// torch tensors that own the encoder's vectors.
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
@@ -153,6 +153,27 @@ void bind_codec(nb::module_& m) {
       },
       nb::arg("fixed"), nb::arg("exceptions"), nb::arg("row_prefix"), nb::arg("partition_index"),
       nb::arg("format"), nb::arg("src_layout"), nb::arg("experts"), nb::arg("rows"), nb::arg("cols"));
+
+  // int64 [rows * cols]: byte index of (r, c) in a swizzled_128x4 grid whose
+  // stored width is padded_cols (swizzled_index), so Python gathers a
+  // row-major grid out of a swizzled one on any device without restating it.
+  m.def(
+      "swizzled_indices",
+      [](std::int64_t rows, std::int64_t cols, std::int64_t padded_cols) {
+        if (rows < 1 || cols < 1 || padded_cols < cols || padded_cols % 4 != 0 || rows > 0xFFFFFFFFll ||
+            padded_cols > 0xFFFFFFFFll)
+          throw InvalidArgument(
+              fmt::format("swizzled_indices: need rows, cols >= 1 and cols <= padded_cols, a multiple of 4; "
+                          "got {}, {}, {}",
+                          rows, cols, padded_cols));
+        std::vector<std::int64_t> idx(static_cast<std::size_t>(rows * cols));
+        for (std::int64_t r = 0; r < rows; ++r)
+          for (std::int64_t c = 0; c < cols; ++c)
+            idx[static_cast<std::size_t>(r * cols + c)] = static_cast<std::int64_t>(
+                swizzled_index(std::size_t(r), std::size_t(c), std::size_t(padded_cols)));
+        return to_torch<std::int64_t>(std::move(idx));
+      },
+      nb::arg("rows"), nb::arg("cols"), nb::arg("padded_cols"));
 }
 
 }  // namespace csfmoe::py

@@ -48,11 +48,12 @@ StageReadIndex build_stage_read_index(const CsfGeometry& g, const IndexRows& row
           throw FormatError(fmt::format("stage-read index: expert {} row {}: record range [{}, {}) invalid",
                                         e, row, begin, end));
         for (std::uint32_t i = begin; i < end; ++i) {
-          const std::uint32_t pos = exceptions[i] & 0xFFFFFFu, byte = exceptions[i] >> 24;
-          if (pos / g.padded_cols != row)
+          const std::uint32_t pos = csf::record_position(exceptions[i]),
+                              byte = csf::record_value_u32(exceptions[i]);
+          if (csf::position_row(pos, g.padded_cols) != row)
             throw FormatError(fmt::format("stage-read index: expert {} record {} lies in row {}, not {}", e,
-                                          i, pos / g.padded_cols, row));
-          const std::uint32_t col = pos % g.padded_cols, kb = col / cols_per_block;
+                                          i, csf::position_row(pos, g.padded_cols), row));
+          const std::uint32_t col = csf::position_col(pos, g.padded_cols), kb = col / cols_per_block;
           if (kb >= idx.kblocks) continue;  // a padding column: never read
           const std::uint32_t cb = col % cols_per_block;
           kb_of[at_block].push_back(kb);

@@ -134,7 +134,7 @@ Bytes banded_bytes(const GridShape& s, std::mt19937_64& rng) {
   return out;
 }
 
-// --- parallel_for ------------------------------------------------------------
+// --- cpu_threads::for_each_index ------------------------------------------------------------
 TEST(ParallelFor, VisitsEveryIndexOnce) {
   for (unsigned threads : {0u, 1u, 2u, 7u}) {
     const std::size_t n = 1000 + threads;

@@ -145,7 +145,7 @@ JobPlan plan_job(const CsfDeviceView& v, ScaleLayout layout, u8* dst) {
   J.out_cols = rm ? g.shape.cols : static_cast<u32>(round_up(g.shape.cols, 4));
   J.out_rows = rm ? g.shape.rows : static_cast<u32>(round_up(g.shape.rows, 128));
   J.slab_bytes = static_cast<u32>(g.slab_bytes);
-  J.mask_bytes = nv ? 0 : (g.padded_cols + 7) / 8;
+  J.mask_bytes = nv ? 0 : csf::mxfp4_mask_bytes(g.padded_cols);
   J.partition_rows = g.partition_rows;
   J.partitions = g.partitions_per_expert;
   if (nv) {
@@ -416,7 +416,7 @@ DeviceCsfTensor encode_on_device(const GridShape& shape, const std::uint8_t* d_s
   p.padded_rows = g.padded_rows;
   p.padded_cols = g.padded_cols;
   p.slab_bytes = static_cast<u32>(g.slab_bytes);
-  p.mask_bytes = nv ? 0 : (g.padded_cols + 7) / 8;
+  p.mask_bytes = nv ? 0 : csf::mxfp4_mask_bytes(g.padded_cols);
   p.unit_rows = nv ? 128 : 64;
   p.units = g.padded_rows / p.unit_rows;
   // Lanes per row: enough 16-byte chunks to cover the row, at least 8.

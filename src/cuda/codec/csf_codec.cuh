@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "csfmoe/detail/csf_layout.hpp"
 #include "csfmoe/formats.hpp"
 #include "cuda/primitives/ptx.cuh"
 
@@ -66,9 +67,6 @@ __device__ __forceinline__ void store_bytes(u8* p, const uint4& v, u32 n) {
   for (u32 i = 0; i < 16; ++i)
     if (i < n) p[i] = static_cast<u8>(w[i / 4] >> (8 * (i % 4)));
 }
-
-__device__ __forceinline__ u32 record_position(u32 rec) { return rec & 0xFFFFFFu; }
-__device__ __forceinline__ u8 record_value(u32 rec) { return static_cast<u8>(rec >> 24); }
 
 // ---------------------------------------------------------------------------
 // Expansion
@@ -133,14 +131,14 @@ __device__ __forceinline__ Patch patch_prefetch(const ExpandJob& J, u32 e, u32 r
 
 template <ScaleLayout L>
 __device__ __forceinline__ void patch_one(const ExpandJob& J, u8* out, u32 rec, u32 col_begin, u32 col_end) {
-  const u32 pos = record_position(rec);
-  const u32 r = pos / J.padded_cols;
+  const u32 pos = csf::record_position(rec);
+  const u32 r = csf::position_row(pos, J.padded_cols);
   const u32 c = pos - r * J.padded_cols;
   if (c < col_begin || c >= col_end) return;  // another column split owns it
   if constexpr (L == ScaleLayout::row_major)
-    out[u64{r} * J.cols + c] = record_value(rec);
+    out[u64{r} * J.cols + c] = csf::record_value(rec);
   else
-    out[swizzled_index(r, c, J.out_cols)] = record_value(rec);
+    out[swizzled_index(r, c, J.out_cols)] = csf::record_value(rec);
 }
 
 template <ScaleLayout L>
@@ -257,9 +255,9 @@ __device__ __forceinline__ void mx_row_dense(const ExpandJob& J, u32 e, u32 unit
   for (u32 i = threadIdx.x; i < items; i += kThreads) {
     const u32 rr = i / words, w = i - rr * words;
     const u32 r = r0 + rr;
-    const u8* slab = fx + u64{r / 16 - slab0} * J.slab_bytes;
-    const u64 base8 = u64{slab[r % 16]} * 0x0101010101010101ull;
-    const u8* mask = slab + 16 + (r % 16) * J.mask_bytes;
+    const u8* slab = fx + u64{csf::slab_index(ScaleFormat::mxfp4, r) - slab0} * J.slab_bytes;
+    const u64 base8 = u64{slab[csf::base_index(ScaleFormat::mxfp4, r)]} * 0x0101010101010101ull;
+    const u8* mask = slab + 16 + (r % 16) * J.mask_bytes;  // csf::mxfp4_row_mask, added in 64 bits
     const u32 m0 = mask[2 * w];
     const u32 m1 = 2 * w + 1 < J.mask_bytes ? mask[2 * w + 1] : 0u;
     const u64 lo = spread_bits8(m0) + base8, hi = spread_bits8(m1) + base8;
@@ -288,9 +286,10 @@ __device__ __forceinline__ void mx_swz_dense(const ExpandJob& J, u32 e, u32 unit
       const u32 r = (t0 + tt) * 128 + q * 32 + k;
       v[q] = 0;
       if (r < J.padded_rows) {
-        const u8* slab = fx + u64{r / 16 - slab0} * J.slab_bytes;
-        const u32 m = slab[16 + (r % 16) * J.mask_bytes + gi / 2];
-        v[q] = spread_bits4(m >> (4 * (gi & 1))) + u32{slab[r % 16]} * 0x01010101u;
+        const u8* slab = fx + u64{csf::slab_index(ScaleFormat::mxfp4, r) - slab0} * J.slab_bytes;
+        const u32 m = slab[16 + (r % 16) * J.mask_bytes + gi / 2];  // csf::mxfp4_row_mask
+        v[q] = spread_bits4(m >> (4 * (gi & 1))) +
+               u32{slab[csf::base_index(ScaleFormat::mxfp4, r)]} * 0x01010101u;
       }
     }
     store_bytes(out + u64{t} * 16, make_uint4(v[0], v[1], v[2], v[3]), 16);
@@ -608,7 +607,7 @@ __global__ void __launch_bounds__(kThreads) encode_rows_kernel(const EncodeParam
       load_row16<L>(p, e, r, c0, v, n);
       if constexpr (kNv) {
         const u32 rs = r % 128;
-        u8* slab = p.staged ? sslab : fixed_e + u64{r / 128} * p.slab_bytes;
+        u8* slab = p.staged ? sslab : fixed_e + u64{csf::slab_index(F, r)} * p.slab_bytes;
         const u32 stride = p.staged ? kGroupStride : 256u;
 #pragma unroll
         for (u32 j = 0; j < 4; ++j) {
@@ -621,11 +620,13 @@ __global__ void __launch_bounds__(kThreads) encode_rows_kernel(const EncodeParam
             const u32 d = byte_of(v, col) - base;
             if (col < n && d < W) x |= d << (4 * i);
           }
-          *reinterpret_cast<u16*>(slab + 128 + gi * stride + (rs % 32) * 8 + (rs / 32) * 2) =
-              static_cast<u16>(x);
+          *reinterpret_cast<u16*>(slab + csf::slab_base_bytes(F) + gi * stride +
+                                  csf::nvfp4_row_in_group(rs)) = static_cast<u16>(x);
         }
       } else {
-        u8* mask = fixed_e + u64{r / 16} * p.slab_bytes + 16 + (r % 16) * p.mask_bytes + c0 / 8;
+        // csf::mxfp4_row_mask, added in 64 bits
+        u8* mask =
+            fixed_e + u64{csf::slab_index(F, r)} * p.slab_bytes + 16 + (r % 16) * p.mask_bytes + c0 / 8;
         u32 bits = 0;
 #pragma unroll
         for (u32 i = 0; i < 16; ++i) {
@@ -639,10 +640,10 @@ __global__ void __launch_bounds__(kThreads) encode_rows_kernel(const EncodeParam
     if (glane == 0) {
       if constexpr (kNv) {
         const u32 rs = r % 128;
-        u8* slab = p.staged ? sslab : fixed_e + u64{r / 128} * p.slab_bytes;
-        slab[(rs % 32) * 4 + rs / 32] = static_cast<u8>(base);
+        u8* slab = p.staged ? sslab : fixed_e + u64{csf::slab_index(F, r)} * p.slab_bytes;
+        slab[csf::base_index(F, rs)] = static_cast<u8>(base);
       } else {
-        fixed_e[u64{r / 16} * p.slab_bytes + r % 16] = static_cast<u8>(base);
+        fixed_e[u64{csf::slab_index(F, r)} * p.slab_bytes + csf::base_index(F, r)] = static_cast<u8>(base);
       }
       const u32 exc = p.cols - in_window;
       p.counts[u64{e} * p.padded_rows + r] = exc;
@@ -691,11 +692,11 @@ __global__ void __launch_bounds__(kThreads) encode_records_kernel(const EncodePa
     u32 base;
     if constexpr (kNv) {
       const u32 rs = r % 128;
-      base = fixed_e[u64{r / 128} * p.slab_bytes + (rs % 32) * 4 + rs / 32];
+      base = fixed_e[u64{csf::slab_index(F, r)} * p.slab_bytes + csf::base_index(F, rs)];
     } else {
-      base = fixed_e[u64{r / 16} * p.slab_bytes + r % 16];
+      base = fixed_e[u64{csf::slab_index(F, r)} * p.slab_bytes + csf::base_index(F, r)];
     }
-    const u32 pos0 = r * p.padded_cols;
+    const u32 pos0 = csf::position(r, 0, p.padded_cols);
     const u32 trips = (p.cols + p.lanes * 16 - 1) / (p.lanes * 16);
     for (u32 t = 0; t < trips; ++t) {
       const u32 c0 = (t * p.lanes + glane) * 16;
@@ -716,7 +717,7 @@ __global__ void __launch_bounds__(kThreads) encode_records_kernel(const EncodePa
       while (bad) {
         const u32 i = __ffs(bad) - 1;
         bad &= bad - 1;
-        p.exceptions[o++] = (byte_of(v, i) << 24) | ((pos0 + c0 + i) & 0xFFFFFFu);
+        p.exceptions[o++] = csf::make_record(pos0 + c0 + i, static_cast<u8>(byte_of(v, i)));
       }
       out += __shfl_sync(gmask, incl, p.lanes - 1, p.lanes);
     }

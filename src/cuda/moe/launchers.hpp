@@ -41,14 +41,12 @@ struct ScaleSource {
   const std::uint8_t* dense = nullptr;
   std::uint64_t expert_stride = 0;
   std::uint32_t cols = 0;
-  // csf: fixed-part slabs and exception records (docs/csf-format.md).
+  // csf: fixed-part slabs and exception records, addressed through the
+  // layout (csfmoe/detail/csf_layout.hpp).
   const std::uint8_t* fixed = nullptr;
   const std::uint32_t* exceptions = nullptr;
   const std::uint32_t* row_prefix = nullptr;
-  std::uint64_t fixed_per_expert = 0;
-  std::uint64_t slab_bytes = 0;
-  std::uint32_t padded_rows = 0;
-  std::uint32_t padded_cols = 0;
+  csf::LayoutView layout;
   // csf, optional: the stage-read index (stage_read_index.hpp); decode row
   // block b of expert e at index + (e * index_blocks_per_expert + b) *
   // index_block_bytes. Null: the decode kernel sorts the records per block.

@@ -86,10 +86,7 @@ moe_detail::ScaleSource csf_source(const CsfDeviceView& v, const MoeWeights::Sta
   src.fixed = v.fixed;
   src.exceptions = v.exceptions;
   src.row_prefix = v.row_prefix;
-  src.fixed_per_expert = v.geometry.fixed_bytes_per_expert;
-  src.slab_bytes = v.geometry.slab_bytes;
-  src.padded_rows = v.geometry.padded_rows;
-  src.padded_cols = v.geometry.padded_cols;
+  src.layout = v.geometry.layout();
   return src;
 }
 

@@ -47,43 +47,21 @@ __device__ __forceinline__ std::uint8_t dense_scale(const ScaleSource& s, int e,
   return s.dense[dense_index<K>(s, e, row, col)];
 }
 
-// CSF fixed part (docs/csf-format.md): the slab holding `row` of expert e,
-// the row's base byte in it, and where its offsets start.
-template <ScaleFormat F>
-__device__ __forceinline__ const std::uint8_t* csf_slab(const ScaleSource& s, int e, std::uint32_t row) {
-  return s.fixed + std::uint64_t(e) * s.fixed_per_expert +
-         std::uint64_t(row / csf_slab_rows(F)) * s.slab_bytes;
-}
-template <ScaleFormat F>
-__device__ __forceinline__ std::uint32_t csf_base_index(std::uint32_t row) {
-  return F == ScaleFormat::nvfp4 ? (row % 32) * 4 + (row % 128) / 32 : row % 16;
-}
-template <ScaleFormat F>
-__device__ __forceinline__ std::uint8_t csf_base(const std::uint8_t* slab, std::uint32_t row) {
-  return slab[csf_base_index<F>(row)];
-}
-// NVFP4: nibble index of (row, col) after the 128 base bytes (128x4 tiles).
-__device__ __forceinline__ std::uint32_t nvfp4_offset_nibble(std::uint32_t row, std::uint32_t col) {
-  return (col / 4) * 512 + (row % 32) * 16 + ((row % 128) / 32) * 4 + (col % 4);
-}
-// MXFP4: byte of the 1-bit offsets holding (row, col) after the 16 base bytes.
-__device__ __forceinline__ std::uint32_t mxfp4_offset_byte(const ScaleSource& s, std::uint32_t row,
-                                                           std::uint32_t col) {
-  return 16 + (row % 16) * ((s.padded_cols + 7) / 8) + col / 8;
-}
-
-// Base + offset of (e, row, col) from the CSF fixed part; exception slots
-// hold offset 0 and are patched afterwards from the records.
+// Base + offset of (e, row, col) from the CSF fixed part (layout:
+// csfmoe/detail/csf_layout.hpp); exception slots hold offset 0 and are
+// patched afterwards from the records.
 template <ScaleFormat F>
 __device__ __forceinline__ std::uint8_t csf_fixed_scale(const ScaleSource& s, int e, std::uint32_t row,
                                                         std::uint32_t col) {
-  const std::uint8_t* slab = csf_slab<F>(s, e, row);
-  const std::uint8_t base = csf_base<F>(slab, row);
+  const std::uint8_t* slab = s.fixed + s.layout.slab_offset<F>(e, row);
+  const std::uint8_t base = slab[csf::base_index(F, row)];
   if constexpr (F == ScaleFormat::nvfp4) {
-    const std::uint32_t n = nvfp4_offset_nibble(row, col);
-    return std::uint8_t(base + ((slab[128 + n / 2] >> ((n & 1) * 4)) & 0xF));
+    const std::uint32_t n = csf::nvfp4_offset_nibble(row, col);
+    return std::uint8_t(base + ((slab[csf::nvfp4_nibble_byte(n)] >> csf::nvfp4_nibble_shift(n)) & 0xF));
   } else {
-    return std::uint8_t(base + ((slab[mxfp4_offset_byte(s, row, col)] >> (col % 8)) & 1));
+    return std::uint8_t(
+        base +
+        ((slab[csf::mxfp4_offset_byte(row, col, s.layout.padded_cols)] >> csf::mxfp4_offset_bit(col)) & 1));
   }
 }
 
@@ -133,12 +111,12 @@ struct LaneScales {
       const std::uint32_t r = rows[c];
       std::uint64_t off;
       if constexpr (kCsf) {
-        const std::uint64_t slab = std::uint64_t(r / csf_slab_rows(F)) * s.slab_bytes;
-        base[c] = __ldg(expert + slab + csf_base_index<F>(r));
+        const std::uint64_t slab = std::uint64_t(csf::slab_index(F, r)) * s.layout.slab_bytes;
+        base[c] = __ldg(expert + slab + csf::base_index(F, r));
         if constexpr (F == ScaleFormat::nvfp4)  // the byte holding both nibbles of columns 2t, 2t + 1
-          off = slab + 128 + nvfp4_offset_nibble(r, 2 * t) / 2;
+          off = slab + csf::slab_base_bytes(F) + csf::nvfp4_offset_nibble(r, 2 * t) / 2;
         else
-          off = slab + mxfp4_offset_byte(s, r, 0);
+          off = slab + csf::mxfp4_offset_byte(r, 0, s.layout.padded_cols);
       } else {
         base[c] = 0;
         off = dense_index_in_expert<K>(s, r, F == ScaleFormat::nvfp4 ? 2 * t : t);
@@ -314,7 +292,8 @@ struct BlockExceptions {
                                               int threads) {
     for (int idx = tid; idx < 34; idx += threads) {
       const std::uint32_t run = idx < 17 ? 0u : 1u, q = idx - 17 * run;
-      run_prefix[run][q] = s.row_prefix[std::uint64_t(e) * s.padded_rows + (run == 0 ? first0 : first1) + q];
+      run_prefix[run][q] =
+          s.row_prefix[std::uint64_t(e) * s.layout.padded_rows + (run == 0 ? first0 : first1) + q];
     }
     if (tid == 0) {
       first_row[0] = first0;
@@ -336,11 +315,13 @@ struct BlockExceptions {
       for (std::uint32_t idx = tid; idx < n0 + n1; idx += threads) {
         const std::uint32_t run = idx < n0 ? 0u : 1u;
         const std::uint32_t rec = s.exceptions[run == 0 ? b0 + idx : b1 + (idx - n0)];
-        const std::uint32_t pos = rec & 0xFFFFFFu, row = pos / s.padded_cols, col = pos - row * s.padded_cols;
+        const std::uint32_t pos = csf::record_position(rec), row = s.layout.position_row(pos),
+                            col = pos - row * s.layout.padded_cols;
         // Padding columns past K (none in encoder output) are never read.
         const std::uint32_t kb = col / kColsPerBlock, key = kb < kblocks ? kb : kSkip;
         data.staged.records[idx] =
-            key << 16 | exception_entry<F>(16 * run + (row - first_row[run]), col % kColsPerBlock, rec >> 24);
+            key << 16 | exception_entry<F>(16 * run + (row - first_row[run]), col % kColsPerBlock,
+                                           csf::record_value_u32(rec));
         if (key != kSkip) atomicAdd(&data.staged.bucket[kb % kBuckets + 1], 1u);
       }
     for (int r = tid; r < 32; r += threads) {
@@ -427,12 +408,12 @@ struct LaneExceptions {
   // Position of the first column of the lane's row c (g = lane / 4).
   __device__ __forceinline__ static std::uint32_t row_start(const ScaleSource& s, const BlockExceptions& b,
                                                             int c, int g) {
-    return (b.first_row[c / 2] + std::uint32_t(g + 8 * (c % 2))) * s.padded_cols;
+    return (b.first_row[c / 2] + std::uint32_t(g + 8 * (c % 2))) * s.layout.padded_cols;
   }
   // Column of record i of the row starting at position first, or kNone past end.
   __device__ __forceinline__ static std::uint32_t column(const ScaleSource& s, std::uint32_t i,
                                                          std::uint32_t end, std::uint32_t first) {
-    return i < end ? (s.exceptions[i] & 0xFFFFFFu) - first : kNone;
+    return i < end ? csf::record_position(s.exceptions[i]) - first : kNone;
   }
 
   // tid: the thread's index in the block; g: lane / 4.
@@ -466,7 +447,7 @@ struct LaneExceptions {
         if (col - lane_col < kLaneCols) {
           const std::uint32_t byte = F == ScaleFormat::nvfp4 ? 2 * (c % 2) + (col - lane_col) : c;
           std::uint32_t& word = u[F == ScaleFormat::nvfp4 ? c / 2 : 0];
-          word = (word & ~(0xFFu << (8 * byte))) | ((s.exceptions[i] >> 24) << (8 * byte));
+          word = (word & ~(0xFFu << (8 * byte))) | (csf::record_value_u32(s.exceptions[i]) << (8 * byte));
         }
         ++i;
       }
@@ -479,7 +460,7 @@ struct LaneExceptions {
 // Start of expert e's scales: its dense grid or its CSF fixed part.
 template <ScaleKind K>
 __device__ __forceinline__ const std::uint8_t* expert_scales(const ScaleSource& s, int e) {
-  return K == ScaleKind::csf ? s.fixed + std::uint64_t(e) * s.fixed_per_expert
+  return K == ScaleKind::csf ? s.fixed + std::uint64_t(e) * s.layout.fixed_bytes_per_expert
                              : s.dense + std::uint64_t(e) * s.expert_stride;
 }
 

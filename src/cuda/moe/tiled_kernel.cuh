@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kGemmThreads) moe_gemm_kernel(GemmParams p) {
   }
   if constexpr (K == ScaleKind::csf) {
     for (int r = tid; r < kRows; r += kGemmThreads) {
-      const std::uint64_t pr = std::uint64_t(e) * p.scales.padded_rows + wrow(r);
+      const std::uint64_t pr = std::uint64_t(e) * p.scales.layout.padded_rows + wrow(r);
       sm.cur[r] = p.scales.row_prefix[pr];
       sm.end[r] = p.scales.row_prefix[pr + 1];
     }
@@ -126,14 +126,14 @@ __global__ void __launch_bounds__(kGemmThreads) moe_gemm_kernel(GemmParams p) {
       __syncthreads();
       // Records of a row are sorted by column: consume those of this slice.
       for (int r = tid; r < kRows; r += kGemmThreads) {
-        const std::uint32_t first = wrow(r) * p.scales.padded_cols;
+        const std::uint32_t first = p.scales.layout.position(wrow(r), 0);
         std::uint32_t c = sm.cur[r];
         const std::uint32_t end = sm.end[r];
         while (c < end) {
           const std::uint32_t rec = p.scales.exceptions[c];
-          const std::uint32_t col = (rec & 0xFFFFFFu) - first;
+          const std::uint32_t col = csf::record_position(rec) - first;
           if (col >= g0 + kGroups) break;
-          sm.sc[r][col - g0] = std::uint8_t(rec >> 24);
+          sm.sc[r][col - g0] = csf::record_value(rec);
           ++c;
         }
         sm.cur[r] = c;
