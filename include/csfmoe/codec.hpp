@@ -30,6 +30,8 @@ struct GridShape {
 
   friend bool operator==(const GridShape&, const GridShape&) = default;
 };
+// "[experts, rows, cols] format layout", as error messages name a grid.
+std::string to_string(const GridShape& s);
 
 // Everything derived from a GridShape. Positions inside an expert are
 // row * padded_cols + col in logical (un-swizzled) padded coordinates.

@@ -31,6 +31,11 @@ enum class ScaleLayout : std::uint8_t {
 
 std::string_view to_string(ScaleFormat f) noexcept;
 std::string_view to_string(ScaleLayout l) noexcept;
+// Whether a value read from outside (a file, a caller's cast) names a known format / layout.
+constexpr bool is_known(ScaleFormat f) noexcept { return f == ScaleFormat::nvfp4 || f == ScaleFormat::mxfp4; }
+constexpr bool is_known(ScaleLayout l) noexcept {
+  return l == ScaleLayout::row_major || l == ScaleLayout::swizzled_128x4;
+}
 // Parse "nvfp4"/"mxfp4" and "row_major"/"swizzled_128x4"; throw InvalidArgument otherwise.
 ScaleFormat parse_scale_format(std::string_view s);
 ScaleLayout parse_scale_layout(std::string_view s);
@@ -42,7 +47,9 @@ CSFMOE_HD constexpr unsigned csf_window(ScaleFormat f) { return f == ScaleFormat
 // Rows per slab of the CSF fixed part.
 CSFMOE_HD constexpr unsigned csf_slab_rows(ScaleFormat f) { return f == ScaleFormat::nvfp4 ? 128u : 16u; }
 // Rows per partition-index entry; also the row padding granule.
-CSFMOE_HD constexpr unsigned csf_partition_rows(ScaleFormat f) { return f == ScaleFormat::nvfp4 ? 128u : 64u; }
+CSFMOE_HD constexpr unsigned csf_partition_rows(ScaleFormat f) {
+  return f == ScaleFormat::nvfp4 ? 128u : 64u;
+}
 // Column padding granule (NVFP4 offsets follow the 128x4 swizzle).
 CSFMOE_HD constexpr unsigned csf_col_granule(ScaleFormat f) { return f == ScaleFormat::nvfp4 ? 4u : 1u; }
 // Positions inside one expert's grid are 24-bit.

@@ -6,9 +6,12 @@
 #include "csfmoe/errors.hpp"
 
 namespace csfmoe::detail {
-namespace {
 
-std::string shape_str(const std::vector<std::uint64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
+std::string shape_str(const std::vector<std::uint64_t>& shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
+}
+
+namespace {
 
 // Checks scale grid [.., Rs, Cs] against a weight of R rows by K elements with
 // the same leading dims; returns the format or sets `why`.

@@ -36,4 +36,7 @@ Detection detect_scales(const st::Header& header, ScaleLayout layout, const std:
 // tensor.
 std::string moe_layer_key(std::string_view name);
 
+// "[d0, d1, ...]", as messages name a tensor shape.
+std::string shape_str(const std::vector<std::uint64_t>& shape);
+
 }  // namespace csfmoe::detail

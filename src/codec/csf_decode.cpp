@@ -229,7 +229,7 @@ void mx_decode_swizzled_band(const CsfTensor& t, u32 e, u32 r0, u8* out) {
 }
 
 void check_layout_arg(ScaleLayout layout, const char* who) {
-  if (!known_layout(layout))
+  if (!is_known(layout))
     throw InvalidArgument(fmt::format("{}: unknown destination layout {}", who, unsigned(layout)));
 }
 
@@ -237,7 +237,7 @@ void check_dst(const CsfGeometry& g, ScaleLayout layout, std::size_t size, const
   const u64 want = g.native_bytes(layout);
   if (size != want)
     throw InvalidArgument(fmt::format("{}: destination holds {} bytes, expected {} for grid {} decoded to {}",
-                                      who, size, want, describe(g.shape), to_string(layout)));
+                                      who, size, want, to_string(g.shape), to_string(layout)));
 }
 
 }  // namespace

@@ -593,7 +593,7 @@ CsfTensor encode(const GridShape& shape, std::span<const std::uint8_t> src, cons
   const u64 want = g.native_bytes(shape.layout);
   if (src.size() != want)
     throw InvalidArgument(fmt::format("CSF encode: source holds {} bytes, expected {} for grid {}",
-                                      src.size(), want, describe(shape)));
+                                      src.size(), want, to_string(shape)));
   return options.reference ? reference_encode(g, src) : fast_encode(g, src, options.threads);
 }
 

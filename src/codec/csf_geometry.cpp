@@ -5,24 +5,29 @@
 
 namespace csfmoe {
 
+std::string to_string(const GridShape& s) {
+  return fmt::format("[{}, {}, {}] {} {}", s.experts, s.rows, s.cols, to_string(s.format),
+                     to_string(s.layout));
+}
+
 using namespace csf_internal;
 
 // ---------------------------------------------------------------------------
 // Public API
 // ---------------------------------------------------------------------------
 CsfGeometry CsfGeometry::of(const GridShape& s) {
-  if (!known_format(s.format))
+  if (!is_known(s.format))
     throw InvalidArgument(fmt::format("CSF grid shape: unknown scale format {}", unsigned(s.format)));
-  if (!known_layout(s.layout))
+  if (!is_known(s.layout))
     throw InvalidArgument(fmt::format("CSF grid shape: unknown scale layout {}", unsigned(s.layout)));
   if (s.experts == 0 || s.rows == 0 || s.cols == 0)
     throw InvalidArgument(
-        fmt::format("CSF grid shape {}: experts, rows and cols must all be at least 1", describe(s)));
+        fmt::format("CSF grid shape {}: experts, rows and cols must all be at least 1", to_string(s)));
   if (s.layout == ScaleLayout::swizzled_128x4 && (s.rows % 128 != 0 || s.cols % 4 != 0))
     throw InvalidArgument(fmt::format(
         "CSF grid shape {}: a swizzled_128x4 source is stored padded, so rows must be a multiple of 128 and "
         "cols a multiple of 4",
-        describe(s)));
+        to_string(s)));
   CsfGeometry g;
   g.shape = s;
   g.partition_rows = csf_partition_rows(s.format);
@@ -34,7 +39,7 @@ CsfGeometry CsfGeometry::of(const GridShape& s) {
         fmt::format("CSF grid shape {}: one expert's padded grid is {}x{} = {} positions, but exception "
                     "positions are 24-bit "
                     "(at most {} positions per expert)",
-                    describe(s), prow, pcol, prow * pcol, csf_max_positions - 1));
+                    to_string(s), prow, pcol, prow * pcol, csf_max_positions - 1));
   g.padded_rows = static_cast<u32>(prow);
   g.padded_cols = static_cast<u32>(pcol);
   g.slab_bytes = csf::slab_bytes(s.format, pcol);
@@ -80,10 +85,10 @@ std::uint8_t row_base(const CsfTensor& t, std::uint32_t expert, std::uint32_t ro
   const CsfGeometry& g = t.geometry;
   if (expert >= g.shape.experts || row >= g.padded_rows)
     throw InvalidArgument(fmt::format("CSF row_base: (expert {}, row {}) is outside grid {} ({} padded rows)",
-                                      expert, row, describe(g.shape), g.padded_rows));
+                                      expert, row, to_string(g.shape), g.padded_rows));
   if (t.fixed.size() != g.fixed_bytes())
     throw FormatError(fmt::format("CSF fixed part: {} bytes, expected {} for grid {}", t.fixed.size(),
-                                  g.fixed_bytes(), describe(g.shape)));
+                                  g.fixed_bytes(), to_string(g.shape)));
   return Fixed{g, const_cast<u8*>(t.fixed.data())}.base(expert, row);
 }
 

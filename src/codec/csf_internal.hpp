@@ -30,16 +30,6 @@ using u8x8 = u8 __attribute__((vector_size(8)));
 using u16x8 = std::uint16_t __attribute__((vector_size(16)));
 using u32x4 = u32 __attribute__((vector_size(16)));
 
-inline bool known_format(ScaleFormat f) { return f == ScaleFormat::nvfp4 || f == ScaleFormat::mxfp4; }
-inline bool known_layout(ScaleLayout l) {
-  return l == ScaleLayout::row_major || l == ScaleLayout::swizzled_128x4;
-}
-
-inline std::string describe(const GridShape& s) {
-  return fmt::format("[{}, {}, {}] {} {}", s.experts, s.rows, s.cols, to_string(s.format),
-                     to_string(s.layout));
-}
-
 // ---------------------------------------------------------------------------
 // Fixed-part access by (expert, row, col); the layout is csf_layout.hpp's.
 // ---------------------------------------------------------------------------
@@ -87,7 +77,7 @@ inline void finish_partition_index(CsfTensor& t) {
 [[noreturn]] inline void too_many_exceptions(const CsfGeometry& g, u64 n) {
   throw Unsupported(fmt::format(
       "CSF encode: grid {} has {} exceptions, more than the 32-bit record index allows (4294967295)",
-      describe(g.shape), n));
+      to_string(g.shape), n));
 }
 
 // ---------------------------------------------------------------------------

@@ -11,16 +11,16 @@ void check_part_sizes(const CsfTensor& t) {
   const CsfGeometry& g = t.geometry;
   if (t.fixed.size() != g.fixed_bytes())
     throw FormatError(fmt::format("CSF fixed part: {} bytes, expected {} for grid {}", t.fixed.size(),
-                                  g.fixed_bytes(), describe(g.shape)));
+                                  g.fixed_bytes(), to_string(g.shape)));
   if (t.row_prefix.size() != g.total_rows() + 1)
     throw FormatError(
         fmt::format("CSF row_prefix: {} entries, expected {} (experts x padded rows + 1) for grid {}",
-                    t.row_prefix.size(), g.total_rows() + 1, describe(g.shape)));
+                    t.row_prefix.size(), g.total_rows() + 1, to_string(g.shape)));
   const u64 parts = u64{g.partitions_per_expert} * g.shape.experts + 1;
   if (t.partition_index.size() != parts)
     throw FormatError(
         fmt::format("CSF partition_index: {} entries, expected {} (experts x partitions + 1) for grid {}",
-                    t.partition_index.size(), parts, describe(g.shape)));
+                    t.partition_index.size(), parts, to_string(g.shape)));
   if (t.row_prefix.back() != t.exceptions.size())
     throw FormatError(
         fmt::format("CSF row_prefix: the last entry is {} but the tensor holds {} exception records",
@@ -37,7 +37,7 @@ void check_geometry(const CsfGeometry& g) {
   auto field = [&](const char* name, u64 have, u64 expect) {
     if (have != expect)
       throw FormatError(
-          fmt::format("CSF header: {} is {}, but grid {} needs {}", name, have, describe(g.shape), expect));
+          fmt::format("CSF header: {} is {}, but grid {} needs {}", name, have, to_string(g.shape), expect));
   };
   field("padded_rows", g.padded_rows, want.padded_rows);
   field("padded_cols", g.padded_cols, want.padded_cols);
@@ -279,7 +279,7 @@ void validate(const CsfTensor& t) {
   check_part_sizes(t);
   if (g.shape.format == ScaleFormat::nvfp4 ? validate_fast<true>(t) : validate_fast<false>(t)) return;
   validate_detailed(t);
-  throw FormatError(fmt::format("CSF parts of grid {}: the structural check failed", describe(g.shape)));
+  throw FormatError(fmt::format("CSF parts of grid {}: the structural check failed", to_string(g.shape)));
 }
 
 }  // namespace csfmoe

@@ -26,8 +26,6 @@ namespace {
 
 using Bytes = std::vector<std::uint8_t>;
 
-std::string shape_str(const std::vector<std::uint64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
-
 // One safetensors file seen through its logical (original) tensors: for a CSF
 // container, the tensors of the original file, scale tensors decoded from
 // their parts.

@@ -32,12 +32,6 @@ std::string msg(std::string_view f, const A&... a) {
   return cuda_detail::strf(f, a...);
 }
 
-std::string describe(const GridShape& s) {
-  return msg("[{}, {}, {}] {} {}", s.experts, s.rows, s.cols, to_string(s.format), to_string(s.layout));
-}
-
-bool known_layout(ScaleLayout l) { return l == ScaleLayout::row_major || l == ScaleLayout::swizzled_128x4; }
-
 void check_device(int device, const char* who) {
   int count = 0;
   CSFMOE_CUDA_CHECK(cudaGetDeviceCount(&count));
@@ -98,10 +92,10 @@ void check_view(const CsfDeviceView& v, const char* who) {
       g.fixed_bytes_per_expert != want.fixed_bytes_per_expert || g.partition_rows != want.partition_rows ||
       g.partitions_per_expert != want.partitions_per_expert)
     throw InvalidArgument(
-        msg("{}: the tensor view's geometry does not match its shape {}", who, describe(g.shape)));
+        msg("{}: the tensor view's geometry does not match its shape {}", who, to_string(g.shape)));
   if (v.fixed == nullptr || v.row_prefix == nullptr || v.partition_index == nullptr)
     throw InvalidArgument(
-        msg("{}: the tensor view of {} has a null part (empty tensor?)", who, describe(g.shape)));
+        msg("{}: the tensor view of {} has a null part (empty tensor?)", who, to_string(g.shape)));
   if (v.num_exceptions > 0 && v.exceptions == nullptr)
     throw InvalidArgument(
         msg("{}: the tensor view lists {} exceptions but their pointer is null", who, v.num_exceptions));
@@ -111,7 +105,7 @@ void check_view(const CsfDeviceView& v, const char* who) {
 }
 
 void check_layout(ScaleLayout layout, const char* who) {
-  if (!known_layout(layout))
+  if (!is_known(layout))
     throw InvalidArgument(msg("{}: unknown destination layout {}", who, static_cast<unsigned>(layout)));
 }
 
@@ -397,7 +391,7 @@ DeviceCsfTensor encode_on_device(const GridShape& shape, const std::uint8_t* d_s
   const u64 n = g.total_rows() + 1;
   if (n >= (u64{1} << 31))
     throw Unsupported(msg("CSF encode_on_device: grid {} has {} rows in all, more than the scan supports",
-                          describe(shape), n - 1));
+                          to_string(shape), n - 1));
 
   auto st = std::make_shared<DeviceCsfTensor::Storage>(device);
   st->fixed = DeviceCsfTensor::Storage::alloc<u8>(g.fixed_bytes(), "the fixed part");
@@ -467,7 +461,7 @@ DeviceCsfTensor encode_on_device(const GridShape& shape, const std::uint8_t* d_s
     throw Unsupported(
         msg("CSF encode_on_device: grid {} has {} exceptions, more than the 32-bit record index allows "
             "(4294967295)",
-            describe(shape), total_host));
+            to_string(shape), total_host));
 
   st->exceptions = DeviceCsfTensor::Storage::alloc<u32>(total_host, "the exception records");
   if (total_host > 0) {
@@ -529,7 +523,7 @@ void check_ref(const ScaleTensorRef& t, const char* name, u8* scratch, u64 scrat
     if (scratch == nullptr) throw InvalidArgument(msg("{}: the scratch for {} is null", who, name));
     if (scratch_bytes < need)
       throw InvalidArgument(msg("{}: the scratch for {} holds {} bytes, the {} grid {} needs {}", who, name,
-                                scratch_bytes, to_string(layout), describe(t.csf->view().geometry.shape),
+                                scratch_bytes, to_string(layout), to_string(t.csf->view().geometry.shape),
                                 need));
     return;
   }
