@@ -1,4 +1,4 @@
-// Block timeline of the decode kernel, a diagnostic (scripts/gpu-timeline-decode):
+// Block timeline of the decode kernel, a diagnostic (scripts/lab/gpu-timeline-decode):
 // built with -DCSFMOE_DECODE_TIMELINE=1, every decode block records when it
 // started, passed its waits, finished its prologue and exited (%globaltimer,
 // with its SM), to place a call's time across its blocks. In every other
