@@ -22,6 +22,7 @@
 #include <cuda_runtime_api.h>
 
 #include "csfmoe/moe_cuda.hpp"
+#include "cuda/primitives/cuda_check.hpp"
 #endif
 
 namespace csfmoe::cli {
@@ -98,7 +99,8 @@ bool gpu_present() {
 }
 
 void ck(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw CudaError(fmt::format("csf moe: {}: {}", what, cudaGetErrorString(e)));
+  if (e != cudaSuccess)
+    cuda_detail::throw_cuda_error(e, fmt::format("csf moe: {}", what), __FILE__, __LINE__);
 }
 
 struct DevBuf {

@@ -6,6 +6,7 @@
 #include "csfmoe/errors.hpp"
 #include "cuda/moe/decode_kernel.cuh"
 #include "cuda/moe/dispatch.hpp"
+#include "cuda/primitives/cuda_check.hpp"
 #include "cuda/primitives/launch.cuh"
 
 namespace csfmoe::moe_detail {
@@ -39,13 +40,9 @@ void decode_launch(const GemmParams& p, cudaStream_t stream) {
 
 void configure_decode_kernels(std::uint32_t smem_bytes) {
   const auto configure = [&](auto kernel) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes));
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      throw CudaError(std::string("configure the decode MoE kernels (") + std::to_string(smem_bytes) +
-                      " bytes of shared memory): " + cudaGetErrorString(err));
-    }
+    CSFMOE_CUDA_CHECK_WHAT(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes)),
+        "configure the decode MoE kernels (" + std::to_string(smem_bytes) + " bytes of shared memory)");
   };
   for_each_value(ScaleFormats{}, [&]<ScaleFormat F>() {
     for_each_value(ScaleKinds{}, [&]<ScaleKind K>() {

@@ -4,6 +4,7 @@
 #include "csfmoe/errors.hpp"
 #include "cuda/moe/dispatch.hpp"
 #include "cuda/moe/prefill_kernel.cuh"
+#include "cuda/primitives/cuda_check.hpp"
 #include "cuda/primitives/launch.cuh"
 #include "moe/call_plan.hpp"
 
@@ -35,14 +36,11 @@ bool configure_prefill_kernels(int device) {
   for_each_value(ScaleFormats{}, [&]<ScaleFormat F>() {
     for_each_value(DenseScaleKinds{}, [&]<ScaleKind K>() {
       for_each_value(Projections{}, [&]<bool GateUp>() {
-        const cudaError_t err =
+        CSFMOE_CUDA_CHECK_WHAT(
             cudaFuncSetAttribute(&moe_prefill_kernel<F, K, GateUp>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, int(kPrefillSmem));
-        if (err != cudaSuccess) {
-          (void)cudaGetLastError();
-          throw CudaError(std::string("configure the prefill MoE kernels (") + std::to_string(kPrefillSmem) +
-                          " bytes of shared memory): " + cudaGetErrorString(err));
-        }
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, int(kPrefillSmem)),
+            "configure the prefill MoE kernels (" + std::to_string(kPrefillSmem) +
+                " bytes of shared memory)");
       });
     });
   });

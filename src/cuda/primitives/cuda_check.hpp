@@ -13,9 +13,12 @@
 
 namespace csfmoe::cuda_detail {
 
-// Throws "file:line: <what> failed: <error name> (<error string>)".
+// Throws "file:line: <what> failed: <error name> (<error string>)". The
+// thread's last-error state is reset first: the exception reports the error,
+// so a later cudaGetLastError must not report it again.
 [[noreturn]] inline void throw_cuda_error(cudaError_t err, std::string_view what, const char* file,
                                           int line) {
+  (void)cudaGetLastError();
   throw CudaError(std::string(file) + ":" + std::to_string(line) + ": " + std::string(what) +
                   " failed: " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
 }
