@@ -20,10 +20,10 @@ StageReadIndex build_stage_read_index(const CsfGeometry& g, const IndexRows& row
   if (capacity_limit > kIndexMaxCapacity)
     throw InvalidArgument(
         fmt::format("stage-read index: capacity limit {} above {}", capacity_limit, kIndexMaxCapacity));
-  if (rows.blocks_per_expert != 0 && rows.row(rows.blocks_per_expert - 1, 31) >= s.rows)
+  if (rows.blocks_per_expert != 0 && rows.row(rows.blocks_per_expert - 1, kDecodeRows - 1) >= s.rows)
     throw InvalidArgument(fmt::format("stage-read index: row block {} reaches row {} of a {}-row grid",
-                                      rows.blocks_per_expert - 1, rows.row(rows.blocks_per_expert - 1, 31),
-                                      s.rows));
+                                      rows.blocks_per_expert - 1,
+                                      rows.row(rows.blocks_per_expert - 1, kDecodeRows - 1), s.rows));
   const std::uint64_t rows_total = g.total_rows();
   if (row_prefix.size() != rows_total + 1 || row_prefix.back() != exceptions.size())
     throw FormatError(fmt::format(
@@ -40,7 +40,7 @@ StageReadIndex build_stage_read_index(const CsfGeometry& g, const IndexRows& row
   for (std::uint32_t e = 0; e < s.experts; ++e) {
     for (std::uint32_t b = 0; b < idx.blocks_per_expert; ++b) {
       const std::uint64_t at_block = std::uint64_t(e) * idx.blocks_per_expert + b;
-      for (std::uint32_t br = 0; br < 32; ++br) {
+      for (std::uint32_t br = 0; br < kDecodeRows; ++br) {
         const std::uint32_t row = rows.row(b, br);
         const std::uint64_t at = std::uint64_t(e) * g.padded_rows + row;
         const std::uint32_t begin = row_prefix[at], end = row_prefix[at + 1];

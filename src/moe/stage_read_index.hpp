@@ -25,6 +25,7 @@
 
 #include "csfmoe/codec.hpp"
 #include "csfmoe/formats.hpp"
+#include "moe/decode_shape.hpp"
 
 namespace csfmoe::moe_detail {
 
@@ -54,9 +55,9 @@ CSFMOE_HD std::uint32_t exception_entry(std::uint32_t br, std::uint32_t col_in_b
 // + r - 16. Gate/up (w13): {gate_row0, up_row0, 16, N / 16}; down (w2): {0,
 // 16, 32, H / 32}.
 struct IndexRows {
-  std::uint32_t first_half = 0, second_half = 16, stride = 32, blocks_per_expert = 0;
+  std::uint32_t first_half = 0, second_half = kDecodeHalfRows, stride = kDecodeRows, blocks_per_expert = 0;
   CSFMOE_HD std::uint32_t row(std::uint32_t b, std::uint32_t r) const {
-    return (r < 16 ? first_half : second_half) + stride * b + r % 16;
+    return (r < kDecodeHalfRows ? first_half : second_half) + stride * b + r % kDecodeHalfRows;
   }
 };
 

@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
 
   const int e = p.tile_expert[tile];
   const std::uint32_t row0 = std::uint32_t(tile) * kTileM;
-  constexpr int kOutPerBlock = GateUp ? kDecodeRows / 2 : kDecodeRows;
+  constexpr int kOutPerBlock = GateUp ? kDecodeHalfRows : kDecodeRows;
   const std::uint32_t rb_first = blockIdx.y * p.row_block_run;
   const std::uint32_t row_blocks = (GateUp ? p.n : p.out_rows) / kOutPerBlock;
   const int runs = run ? int(min(p.row_block_run, row_blocks - rb_first)) : 1;
