@@ -109,73 +109,6 @@ void check_layout(ScaleLayout layout, const char* who) {
     throw InvalidArgument(msg("{}: unknown destination layout {}", who, static_cast<unsigned>(layout)));
 }
 
-// Largest staging area (bytes) for one NVFP4 row-major unit; wider grids split
-// their columns over several units. Stays under the 48 KB default limit.
-constexpr u32 kMaxStage = 44 * 1024;
-// MXFP4 units are grown to at least this many output bytes.
-constexpr u64 kMxUnitTarget = 16 * 1024;
-
-struct JobPlan {
-  gpu::ExpandJob job;
-  u32 stage_bytes = 0;
-};
-
-JobPlan plan_job(const CsfDeviceView& v, ScaleLayout layout, u8* dst) {
-  const CsfGeometry& g = v.geometry;
-  const bool nv = g.shape.format == ScaleFormat::nvfp4;
-  const bool rm = layout == ScaleLayout::row_major;
-  JobPlan plan;
-  gpu::ExpandJob& J = plan.job;
-  J.fixed = v.fixed;
-  J.exceptions = v.exceptions;
-  J.partition_index = v.partition_index;
-  J.dst = dst;
-  J.fixed_per_expert = g.fixed_bytes_per_expert;
-  J.out_per_expert = g.native_bytes(layout) / g.shape.experts;
-  J.rows = g.shape.rows;
-  J.cols = g.shape.cols;
-  J.padded_rows = g.padded_rows;
-  J.padded_cols = g.padded_cols;
-  J.out_cols = rm ? g.shape.cols : static_cast<u32>(round_up(g.shape.cols, 4));
-  J.out_rows = rm ? g.shape.rows : static_cast<u32>(round_up(g.shape.rows, 128));
-  J.slab_bytes = static_cast<u32>(g.slab_bytes);
-  J.mask_bytes = nv ? 0 : csf::mxfp4_mask_bytes(g.padded_cols);
-  J.partition_rows = g.partition_rows;
-  J.partitions = g.partitions_per_expert;
-  if (nv) {
-    J.unit_rows = 128;
-    J.row_units = g.padded_rows / 128;
-    if (rm) {
-      const u32 groups = g.padded_cols / 4;
-      u32 ug = groups;
-      if (128 + u64{groups} * gpu::kGroupStride > kMaxStage)
-        ug = (kMaxStage - 128) / gpu::kGroupStride / 4 * 4;
-      J.unit_groups = ug;
-      J.col_units = (groups + ug - 1) / ug;
-      plan.stage_bytes = static_cast<u32>(round_up(128 + u64{ug} * gpu::kGroupStride, 16));
-    }
-  } else if (rm) {
-    const u64 rows = std::max<u64>(64, round_up((kMxUnitTarget + J.cols - 1) / J.cols, 64));
-    J.unit_rows = static_cast<u32>(std::min<u64>(rows, g.padded_rows));
-    J.row_units = (J.rows + J.unit_rows - 1) / J.unit_rows;
-  } else {
-    const u64 tile_bytes = u64{128} * J.out_cols;
-    const u64 tiles = std::max<u64>(1, kMxUnitTarget / tile_bytes);
-    J.unit_rows = static_cast<u32>(std::min<u64>(tiles * 128, J.out_rows));
-    J.row_units = (J.out_rows + J.unit_rows - 1) / J.unit_rows;
-  }
-  if (!nv) {
-    // Stage the unit's slabs when they fit (they do for every real geometry).
-    const u64 bytes = u64{J.unit_rows / 16} * J.slab_bytes;
-    if (bytes <= kMaxStage) {
-      J.staged = 1;
-      plan.stage_bytes = static_cast<u32>(bytes);
-    }
-  }
-  J.units = J.row_units * J.col_units;
-  return plan;
-}
-
 using ExpandFn = void (*)(gpu::ExpandParams);
 
 template <ScaleFormat F, ScaleLayout L>
@@ -225,7 +158,9 @@ void launch_expand(const CsfDeviceView* const* views, u8* const* dsts, u32 njobs
   u64 units = 0;
   u32 stage = 0;
   for (u32 j = 0; j < njobs; ++j) {
-    const JobPlan plan = plan_job(*views[j], layout, dsts[j]);
+    const CsfDeviceView& v = *views[j];
+    const codec_detail::ExpandPlan plan =
+        codec_detail::plan_expand_job(v.geometry, v.fixed, v.exceptions, v.partition_index, layout, dsts[j]);
     p.job[j] = plan.job;
     stage = std::max(stage, plan.stage_bytes);
     units += plan.job.units;

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "codec/expand_plan.hpp"
 #include "csfmoe/detail/csf_layout.hpp"
 #include "csfmoe/formats.hpp"
 #include "cuda/primitives/ptx.cuh"
@@ -28,9 +29,8 @@ using u64 = std::uint64_t;
 
 constexpr int kThreads = 256;  // every codec kernel
 constexpr int kWarps = kThreads / 32;
-// Padded stride of one 256-byte NVFP4 nibble group in shared memory: 272 keeps
-// 16-byte alignment and spreads the groups of one row over distinct banks.
-constexpr u32 kGroupStride = 272;
+// Shared-memory stride of one NVFP4 nibble group (codec/expand_plan.hpp).
+using codec_detail::kGroupStride;
 // Expansion blocks resident per SM the register budget is sized for (6 x 256
 // threads: enough bytes in flight to saturate HBM with 30 KB staging each).
 constexpr int kExpandBlocksPerSm = 6;
@@ -71,30 +71,8 @@ __device__ __forceinline__ void store_bytes(u8* p, const uint4& v, u32 n) {
 // ---------------------------------------------------------------------------
 // Expansion
 // ---------------------------------------------------------------------------
-// One tensor to expand. A unit is a range of whole partitions (rows) and,
-// for very wide NVFP4 row-major grids, a range of column groups.
-struct ExpandJob {
-  const u8* fixed = nullptr;
-  const u32* exceptions = nullptr;
-  const u32* partition_index = nullptr;
-  u8* dst = nullptr;
-  u64 fixed_per_expert = 0;
-  u64 out_per_expert = 0;  // native bytes of one expert in the output layout
-  u32 rows = 0, cols = 0;  // true grid
-  u32 padded_rows = 0, padded_cols = 0;
-  u32 out_cols = 0;  // row length of the output layout (cols or round_up(cols, 4))
-  u32 out_rows = 0;  // rows of the output layout (rows, or rows rounded to 128)
-  u32 slab_bytes = 0;
-  u32 mask_bytes = 0;  // MXFP4: bytes of offset bits per row
-  u32 partition_rows = 0;
-  u32 partitions = 0;   // per expert
-  u32 unit_rows = 0;    // output rows per unit (multiple of partition_rows)
-  u32 row_units = 0;    // units along the rows of one expert
-  u32 col_units = 1;    // NVFP4 row-major: column splits per slab
-  u32 unit_groups = 0;  // NVFP4 row-major: column groups per split
-  u32 units = 0;        // row_units * col_units
-  u32 staged = 0;       // MXFP4: the unit's slabs are staged in shared memory
-};
+// One tensor to expand and its units (codec/expand_plan.hpp).
+using codec_detail::ExpandJob;
 
 struct ExpandParams {
   ExpandJob job[2];
