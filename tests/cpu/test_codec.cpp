@@ -135,7 +135,7 @@ Bytes banded_bytes(const GridShape& s, std::mt19937_64& rng) {
 }
 
 // --- cpu_threads::for_each_index ------------------------------------------------------------
-TEST(ParallelFor, VisitsEveryIndexOnce) {
+TEST(CpuThreads, VisitsEveryIndexOnce) {
   for (unsigned threads : {0u, 1u, 2u, 7u}) {
     const std::size_t n = 1000 + threads;
     std::vector<std::atomic<int>> hits(n);
@@ -148,7 +148,7 @@ TEST(ParallelFor, VisitsEveryIndexOnce) {
   EXPECT_EQ(cpu_threads::resolve_count(5), 5u);
 }
 
-TEST(ParallelFor, RethrowsTheFirstError) {
+TEST(CpuThreads, RethrowsTheFirstError) {
   for (unsigned threads : {1u, 3u}) {
     EXPECT_THROW(cpu_threads::for_each_index(100, threads,
                                              [](std::size_t i) {
