@@ -2,7 +2,7 @@
 // CSFMOE_CSF_BINARY): a run killed with SIGKILL part-way leaves the source
 // untouched and no output (only its own temporary, which the re-run
 // removes); the re-run succeeds and restores byte for byte. Stale
-// temporaries of dead pids are swept by the next writer of the same name
+// temporaries of dead pids are swept by the next writer into their folder
 // (CLI and library), those of live pids, symlinks and other names are left
 // exactly as they were, and no symlink is followed. The tool refuses to
 // overwrite its input or an existing output, and a full disk (RLIMIT_FSIZE,
@@ -307,12 +307,17 @@ struct Leftovers {
     ::mkfifo((dir / name(dead[5])).c_str(), 0600);
     keep.insert(keep.end(), {name(dead[3]), name(dead[4]), name(dead[5])});
     const std::string d0 = std::to_string(dead[0]);
+    // Other outputs' temporaries of dead runs go too: a killed run's file can be gigabytes.
     for (const std::string& n :
-         {"." + out_name + "x.tmp-" + d0, "." + out_name + ".tmp-" + d0 + "x", "." + out_name + ".tmp-0" + d0,
-          "." + out_name + ".tmp-+" + d0, "." + out_name + ".tmp--" + d0, "." + out_name + ".tmp-0",
-          "." + out_name + ".tmp-", "." + out_name + ".tmp-" + d0 + ".stale.x",
-          "." + out_name + ".tmp-99999999999999999999", out_name + ".tmp-" + d0,
-          ".." + out_name + ".tmp-" + d0, ".other.tmp-" + d0, "x" + t + d0}) {
+         {"." + out_name + "x.tmp-" + d0, ".." + out_name + ".tmp-" + d0, ".other.tmp-" + d0}) {
+      write_bytes(dir / n, random_bytes(rng));
+      removed.push_back(n);
+    }
+    for (const std::string& n :
+         {"." + out_name + ".tmp-" + d0 + "x", "." + out_name + ".tmp-0" + d0, "." + out_name + ".tmp-+" + d0,
+          "." + out_name + ".tmp--" + d0, "." + out_name + ".tmp-0", "." + out_name + ".tmp-",
+          "." + out_name + ".tmp-" + d0 + ".stale.x", "." + out_name + ".tmp-99999999999999999999",
+          out_name + ".tmp-" + d0, "x" + t + d0, ".tmp-" + d0, "..tmp-" + d0}) {
       write_bytes(dir / n, random_bytes(rng));
       keep.push_back(n);
     }
