@@ -450,6 +450,9 @@ TEST(CrashSafety, FullDiskByFileSizeLimitFailsCleanly) {
   write_checkpoint(src, seed, 4, 512);  // ~2 MB
   const auto before = tree_hash(src);
   const auto listing = entries(d.path);
+  // A live run's temporary in the folder: the error names it (it may be what filled the disk).
+  const std::string busy = ".busy.safetensors.tmp-" + std::to_string(::getpid());
+  write_bytes(d.path / busy, std::string(64, 1));
   // Any limit below the output's size: the write that crosses it fails.
   const rlim_t limit = 4096 + rng() % (1u << 20);
   for (const std::string& verb : {"compress", "decompress"}) {
@@ -466,6 +469,7 @@ TEST(CrashSafety, FullDiskByFileSizeLimitFailsCleanly) {
     EXPECT_NE(r.err.find("csf: error:"), std::string::npos) << r.err;
     EXPECT_NE(r.err.find(out.string()), std::string::npos) << "message does not name the output: " << r.err;
     EXPECT_NE(r.err.find("File too large"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(busy), std::string::npos) << "message does not name the other temporary: " << r.err;
     EXPECT_FALSE(fs::exists(out));
     EXPECT_FALSE(has_temp_of(d.path, out.filename().string())) << "temporary left behind";
     EXPECT_EQ(tree_hash(src), before);
