@@ -4,6 +4,8 @@
 #include "csfmoe/b12x_planes.hpp"
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <limits>
 
 #include "codec/csf_internal.hpp"
@@ -60,6 +62,18 @@ std::size_t csf_code_pair_byte(u32 r, u32 j) {
   return csf::slab_base_bytes(kNv) + std::size_t{j / 2} * csf::nvfp4_group_bytes +
          csf::nvfp4_row_in_group(r) + j % 2;
 }
+
+// Byte j of v[x] is bit j of x.
+struct SpreadBits {
+  std::array<u64, 256> v{};
+  constexpr SpreadBits() {
+    for (unsigned x = 0; x < 256; ++x)
+      for (unsigned j = 0; j < 8; ++j)
+        if (x >> j & 1) v[x] |= u64{1} << (8 * j);
+  }
+};
+constexpr SpreadBits kSpreadBits{};
+static_assert(std::endian::native == std::endian::little, "kSpreadBits words are stored as bytes");
 
 void check_ranges(const PlaneShape& s, std::span<const AxisRange> rows, AxisRange cols,
                   std::string_view name) {
@@ -217,7 +231,14 @@ void decode_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,
         out[2 * j + 1] = static_cast<u8>(base + (codes[j] >> 4));
       }
     } else {
-      for (u32 c = 0; c < s.cols; ++c) out[c] = static_cast<u8>(base + ((codes[c / 8] >> (c % 8)) & 1));
+      // Eight selector bits at once: each spread to a byte (0 or 1) plus the base; no lane carries.
+      const u64 bases = u64{base} * 0x0101010101010101ull;
+      u32 c = 0;
+      for (; c + 8 <= s.cols; c += 8) {
+        const u64 v = kSpreadBits.v[codes[c / 8]] + bases;
+        std::memcpy(out + c, &v, 8);
+      }
+      for (; c < s.cols; ++c) out[c] = static_cast<u8>(base + ((codes[c / 8] >> (c % 8)) & 1));
     }
   }
   for (const u32 rec : exceptions) native[csf::record_position(rec)] = csf::record_value(rec);
