@@ -82,7 +82,8 @@ std::vector<std::uint8_t> decode_planes(const CsfPlanes& planes, std::string_vie
 // re-addressed. The result decodes to exactly the slice of the native grid;
 // it can differ from encoding that slice (another base may win there).
 // Validates the input first (FormatError); InvalidArgument for misaligned or
-// out-of-range ranges.
+// out-of-range ranges. A TP rank's ranges come from tensor_parallel_axis_ranges
+// with granule plane_slab_rows for rows and 2 (NVFP4) / 1 (MXFP4) for columns.
 CsfPlanes slice_planes(const CsfPlanes& planes, std::span<const AxisRange> rows, AxisRange cols,
                        std::string_view name);
 

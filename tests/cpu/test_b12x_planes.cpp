@@ -11,11 +11,13 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "csfmoe/b12x_planes.hpp"
 #include "csfmoe/codec.hpp"
 #include "csfmoe/errors.hpp"
+#include "csfmoe/parallel.hpp"
 #include "test_seed.hpp"
 
 namespace csfmoe {
@@ -428,6 +430,36 @@ TEST(B12xPlanes, SlicesDecodeToTheNativeSlice) {
           EXPECT_EQ(sl.fixed[base_byte(sl.shape, o)], p.fixed[base_byte(s, static_cast<std::uint32_t>(r))]);
       // The whole grid as one slice is the plane itself.
       expect_same_planes(slice_planes(p, std::vector<AxisRange>{{0, s.rows}}, {0, s.cols}, "t"), p);
+    }
+}
+
+TEST(B12xPlanes, TensorParallelRanksSliceLikeTheNativeGrid) {
+  // The ranges a TP rank keeps (tensor_parallel_axis_ranges with the planes'
+  // granules) cut planes that decode to what slice_scale_grid cuts from the native grid.
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  for (ScaleFormat f : {kNv, kMx})
+    for (unsigned tp : {1u, 2u, 4u}) {
+      // w13: 2N rows split per half; w2: H rows, N columns split.
+      const std::uint32_t n = 64 * tp, h = 48;
+      const PlaneShape w13{f, 2 * n, f == kNv ? 2u * 9 : 13u};
+      const PlaneShape w2{f, h, f == kNv ? 2 * 4 * tp : 5 * tp};
+      for (const auto& [s, split] : {std::pair{w13, TpSplit::gate_up_rows}, std::pair{w2, TpSplit::cols}}) {
+        const Bytes native = make_grid(s, Regime::realistic, rng);
+        const CsfPlanes p = encode_planes(s, native, "t");
+        for (unsigned rank = 0; rank < tp; ++rank) {
+          SCOPED_TRACE(to_string(s) + " tp " + std::to_string(tp) + " rank " + std::to_string(rank));
+          std::vector<AxisRange> rows{{0, s.rows}};
+          AxisRange cols{0, s.cols};
+          if (split == TpSplit::cols)
+            cols = tensor_parallel_axis_ranges(s.cols, split, tp, rank, f == kNv ? 2 : 1, "w2")[0];
+          else
+            rows = tensor_parallel_axis_ranges(s.rows, split, tp, rank, plane_slab_rows, "w13");
+          const GridShape grid{f, ScaleLayout::row_major, 1, s.rows, s.cols};
+          const Bytes want = slice_scale_grid(grid, s.rows, s.cols, native, rows, cols);
+          EXPECT_TRUE(decode_planes(slice_planes(p, rows, cols, "t"), "t") == want);
+        }
+      }
     }
 }
 
