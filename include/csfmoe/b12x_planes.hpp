@@ -87,6 +87,15 @@ std::vector<std::uint8_t> decode_planes(const CsfPlanes& planes, std::string_vie
 CsfPlanes slice_planes(const CsfPlanes& planes, std::span<const AxisRange> rows, AxisRange cols,
                        std::string_view name);
 
+// Planes of the row-wise concatenation of grids with the same format and
+// columns (e.g. a fused [up; gate] projection from per-projection planes, as
+// b12x's loader builds w13): fixed planes appended slab by slab, records
+// re-addressed to their rows in the result. Equal to encoding the
+// concatenated grid, since every row is encoded on its own. Validates every
+// part (FormatError naming `name` and the part); InvalidArgument for no parts,
+// differing formats or columns, or a result beyond 2^24 positions.
+CsfPlanes concat_planes(std::span<const CsfPlanes> parts, std::string_view name);
+
 // The resident form from planes: a row_major CsfTensor of experts.size()
 // experts (every plane of the same shape, each validated). Bases, codes and
 // records are moved, not recomputed; the CsfTensor pads (NVFP4 rows to 128

@@ -294,6 +294,37 @@ CsfPlanes slice_planes(const CsfPlanes& planes, std::span<const AxisRange> rows,
   return out;
 }
 
+CsfPlanes concat_planes(std::span<const CsfPlanes> parts, std::string_view name) {
+  if (parts.empty()) throw InvalidArgument(fmt::format("{}: b12x CSF concatenation: no parts given", name));
+  const PlaneShape first = parts[0].shape;
+  u64 rows = 0;
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    const PlaneShape& s = parts[i].shape;
+    if (s.format != first.format || s.cols != first.cols)
+      throw InvalidArgument(fmt::format(
+          "{}: b12x CSF concatenation: part {} has grid {}, part 0 has {} (format and columns must "
+          "agree)",
+          name, i, to_string(s), to_string(first)));
+    validate_planes(s, parts[i].fixed, parts[i].exceptions, fmt::format("{} part {}", name, i));
+    rows += s.rows;
+  }
+  if (rows > std::numeric_limits<u32>::max())
+    throw InvalidArgument(fmt::format("{}: b12x CSF concatenation: {} rows in all, too many", name, rows));
+  CsfPlanes out;
+  out.shape = {first.format, static_cast<u32>(rows), first.cols};
+  check_plane_shape(out.shape, name);
+  out.fixed.reserve(plane_fixed_bytes(out.shape));
+  u32 row0 = 0;
+  for (const CsfPlanes& part : parts) {
+    out.fixed.insert(out.fixed.end(), part.fixed.begin(), part.fixed.end());
+    const u32 shift = row0 * first.cols;  // row0 * cols < 2^24: the result passed check_plane_shape
+    for (const u32 rec : part.exceptions)
+      out.exceptions.push_back(csf::make_record(csf::record_position(rec) + shift, csf::record_value(rec)));
+    row0 += part.shape.rows;
+  }
+  return out;
+}
+
 CsfTensor planes_to_csf(std::span<const CsfPlanes> experts, std::string_view name) {
   if (experts.empty())
     throw InvalidArgument(fmt::format("{}: b12x CSF planes to CSF: no experts given", name));

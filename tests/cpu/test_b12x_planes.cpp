@@ -512,6 +512,52 @@ TEST(B12xPlanes, MisalignedSlicesAreRefused) {
       slice_planes(mx, std::vector<AxisRange>{{16, 32}}, {3, 5}, "t"));  // odd columns are fine for MXFP4
 }
 
+TEST(B12xPlanes, ConcatenationEqualsEncodingTheStackedGrid) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  for (ScaleFormat f : {kNv, kMx})
+    for (int i = 0; i < 10; ++i) {
+      const PlaneShape first = random_shape(f, rng);
+      const std::size_t n = 1 + rng() % 3;
+      std::vector<CsfPlanes> parts;
+      Bytes stacked;
+      for (std::size_t k = 0; k < n; ++k) {
+        const PlaneShape s{f, 16 * (1 + static_cast<std::uint32_t>(rng() % 6)), first.cols};
+        const Bytes g = make_grid(s, kRegimes[(i + k) % std::size(kRegimes)], rng);
+        stacked.insert(stacked.end(), g.begin(), g.end());
+        parts.push_back(encode_planes(s, g, "t"));
+      }
+      const CsfPlanes joined = concat_planes(parts, "t");
+      SCOPED_TRACE(to_string(joined.shape));
+      expect_same_planes(joined, encode_planes(joined.shape, stacked, "t"));
+      EXPECT_TRUE(decode_planes(joined, "t") == stacked);
+    }
+}
+
+TEST(B12xPlanes, ConcatenationRefusals) {
+  std::mt19937_64 rng(3);
+  const CsfPlanes a = encode_planes({kNv, 16, 4}, make_grid({kNv, 16, 4}, Regime::uniform, rng), "t");
+  const CsfPlanes b = encode_planes({kNv, 16, 6}, make_grid({kNv, 16, 6}, Regime::uniform, rng), "t");
+  const CsfPlanes c = encode_planes({kMx, 16, 4}, make_grid({kMx, 16, 4}, Regime::uniform, rng), "t");
+  EXPECT_THROW(concat_planes(std::vector<CsfPlanes>{}, "t"), InvalidArgument);
+  EXPECT_THROW(concat_planes(std::vector<CsfPlanes>{a, b}, "t"), InvalidArgument);
+  EXPECT_THROW(concat_planes(std::vector<CsfPlanes>{a, c}, "t"), InvalidArgument);
+  CsfPlanes bad = a;
+  bad.fixed[0] = 250;
+  try {
+    concat_planes(std::vector<CsfPlanes>{a, bad}, "w31");
+    ADD_FAILURE() << "accepted";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("w31 part 1"), std::string::npos) << e.what();
+  }
+  // 2^24 positions at most: 2 x [16, 2^19] MXFP4 is exactly 2^24, a third part is too many.
+  CsfPlanes wide;
+  wide.shape = {kMx, 16, 1u << 19};
+  wide.fixed.assign(plane_fixed_bytes(wide.shape), 0);
+  EXPECT_NO_THROW(concat_planes(std::vector<CsfPlanes>{wide, wide}, "t"));
+  EXPECT_THROW(concat_planes(std::vector<CsfPlanes>{wide, wide, wide}, "t"), InvalidArgument);
+}
+
 // --- the CsfTensor form -----------------------------------------------------------
 TEST(B12xPlanes, SameBasesCodesAndRecordsAsTheCsfTensor) {
   CSFMOE_SEEDED(seed);
