@@ -10,8 +10,9 @@
 //     planes with FormatError too;
 //   - accepted planes decode; their CsfTensor (planes_to_csf) passes
 //     validate(), decodes to the same bytes and converts back to the same
-//     planes; a slice decodes to the slice of the decoded grid; re-encoding
-//     the grid gives the planes of csfmoe's own encoder;
+//     planes; a slice decodes to the slice of the decoded grid; stacked
+//     planes decode to the stacked grids; re-encoding the grid gives the
+//     planes of csfmoe's own encoder;
 //   - undamaged planes decode to their source.
 // Shapes stay small (<= 256 rows, <= 40 columns).
 #include <fuzzer/FuzzedDataProvider.h>
@@ -146,6 +147,14 @@ void check_accepted(FuzzedDataProvider& in, const CsfPlanes& p) {
     for (std::uint64_t c = cols.first; c < cols.first + cols.count; ++c)
       want.push_back(native[r * s.cols + c]);
   if (decode_planes(sl, kName) != want) fail("slice does not decode to the native slice");
+
+  // Stacking the planes and the slice: the stacked grids, and their encoding.
+  const CsfPlanes parts[] = {p, sl.shape.cols == s.cols ? sl : p};
+  const CsfPlanes joined = concat_planes(parts, kName);
+  std::vector<std::uint8_t> stacked = native;
+  const std::vector<std::uint8_t> second = decode_planes(parts[1], kName);
+  stacked.insert(stacked.end(), second.begin(), second.end());
+  if (decode_planes(joined, kName) != stacked) fail("concatenated planes do not decode to the stacked grids");
 }
 
 }  // namespace

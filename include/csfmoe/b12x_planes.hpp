@@ -90,8 +90,9 @@ CsfPlanes slice_planes(const CsfPlanes& planes, std::span<const AxisRange> rows,
 // Planes of the row-wise concatenation of grids with the same format and
 // columns (e.g. a fused [up; gate] projection from per-projection planes, as
 // b12x's loader builds w13): fixed planes appended slab by slab, records
-// re-addressed to their rows in the result. Equal to encoding the
-// concatenated grid, since every row is encoded on its own. Validates every
+// re-addressed to their rows in the result. Every row is encoded on its own,
+// so parts straight from encode_planes give the encoding of the stacked
+// grid (slices keep their full-row bases). Validates every
 // part (FormatError naming `name` and the part); InvalidArgument for no parts,
 // differing formats or columns, or a result beyond 2^24 positions.
 CsfPlanes concat_planes(std::span<const CsfPlanes> parts, std::string_view name);

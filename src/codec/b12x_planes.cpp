@@ -80,7 +80,7 @@ void check_ranges(const PlaneShape& s, std::span<const AxisRange> rows, AxisRang
   const std::string what = fmt::format("{}: b12x CSF slice of grid {}", name, to_string(s));
   if (rows.empty()) throw InvalidArgument(what + ": no row ranges given");
   for (const AxisRange& r : rows) {
-    if (r.count == 0 || r.first + r.count > s.rows)
+    if (r.count == 0 || r.first > s.rows || r.count > s.rows - r.first)  // no wrap-around
       throw InvalidArgument(fmt::format("{}: row range [{}, {}) is empty or outside the {} rows", what,
                                         r.first, r.first + r.count, s.rows));
     if (r.first % plane_slab_rows != 0 || r.count % plane_slab_rows != 0)
@@ -88,7 +88,7 @@ void check_ranges(const PlaneShape& s, std::span<const AxisRange> rows, AxisRang
           "{}: row range [{}, {}) does not start and end on a 16-row slab boundary (planes are cut per slab)",
           what, r.first, r.first + r.count));
   }
-  if (cols.count == 0 || cols.first + cols.count > s.cols)
+  if (cols.count == 0 || cols.first > s.cols || cols.count > s.cols - cols.first)
     throw InvalidArgument(fmt::format("{}: column range [{}, {}) is empty or outside the {} columns", what,
                                       cols.first, cols.first + cols.count, s.cols));
   if (s.format == kNv && (cols.first % 2 != 0 || cols.count % 2 != 0))

@@ -506,6 +506,9 @@ TEST(B12xPlanes, MisalignedSlicesAreRefused) {
   expect_invalid(nv, {{0, 16}}, {1, 4}, "even");
   expect_invalid(nv, {{0, 16}}, {2, 3}, "even");
   expect_invalid(nv, {{0, 16}}, {4, 6}, "outside");
+  const std::uint64_t huge = ~std::uint64_t{15};  // first + count wraps around to 16
+  expect_invalid(nv, {{huge, 32}}, {0, 8}, "outside");
+  expect_invalid(nv, {{0, 16}}, {huge, 18}, "outside");
   expect_invalid(mx, {{0, 16}}, {0, 0}, "empty");
   expect_invalid(mx, {{0, 16}}, {5, 5}, "outside");
   EXPECT_NO_THROW(
