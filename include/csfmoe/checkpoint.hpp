@@ -60,7 +60,13 @@ struct TensorReport {
   std::optional<ScaleFormat> format;  // set for block-scale tensors
   std::string layer;                  // MoE layer key (e.g. "model.layers.3.mlp.experts") or ""
   std::string reason;                 // why native_kept, or ""
-  CsfStats stats;                     // for block-scale tensors (measured even when kept native)
+  // For block-scale tensors (measured even when kept native); encoded_bytes
+  // is what the container stores (planes or resident form).
+  CsfStats stats;
+  std::uint64_t resident_bytes = 0;  // the CSF tensor's resident (device) form, when measured
+  // What b12x keeps resident for the same tensor: the same fixed slabs and
+  // records plus an 8-byte offset per partition (no per-row prefix).
+  std::uint64_t b12x_resident_bytes = 0;
 };
 
 struct CheckpointReport {

@@ -106,6 +106,14 @@ void add_totals(CheckpointReport& rep, const TensorReport& t, std::uint64_t sour
   }
 }
 
+// The resident sizes of a CSF tensor: csfmoe's (all parts) and b12x's (the
+// fixed slabs and records, plus an 8-byte offset per partition).
+void set_resident(TensorReport& tr, const CsfTensor& enc) {
+  tr.resident_bytes = enc.encoded_bytes();
+  tr.b12x_resident_bytes = enc.fixed.size() + 4 * std::uint64_t(enc.exceptions.size()) +
+                           8 * std::uint64_t{enc.geometry.partitions_per_expert} * enc.geometry.shape.experts;
+}
+
 std::string ratio_reason(std::uint64_t enc, std::uint64_t src) {
   return fmt::format("CSF would be {:.1f}% of the source ({} vs {} bytes)",
                      src ? 100.0 * double(enc) / double(src) : 0.0, enc, src);
@@ -121,7 +129,7 @@ ContainerInfo base_info(const st::File& f) {
 }
 
 struct FileResult {
-  std::set<std::string> csf_names;     // tensors stored as CSF
+  std::map<std::string, std::vector<std::string>> csf_parts;  // tensors stored as CSF -> their part tensors
   std::vector<st::TensorInfo> stored;  // container tensors
 };
 
@@ -140,7 +148,7 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
   std::map<std::string, CsfGeometry> geoms;
   for (const auto& c : det.scales) {
     const auto p = part_names(c.name);
-    for (const auto* n : {&p.fixed, &p.exceptions, &p.row_prefix, &p.partition_index})
+    for (const std::string* n : p.all())
       if (names.count(*n))
         unusable[c.name] = fmt::format("part name '{}' is already a tensor of the file", *n);
     if (unusable.count(c.name)) continue;
@@ -194,22 +202,45 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
       } else {
         CsfTensor enc = encode(cand->shape, data, copts);
         tr.stats = stats(enc);
+        set_resident(tr, enc);
         // Exactness is the point: prove it before storing anything.
         std::vector<std::uint8_t> back(data.size());
         decode(enc, cand->shape.layout, back, copts, /*trusted=*/true);
         if (!std::equal(back.begin(), back.end(), data.begin()))
           throw CorruptData(fmt::format(
               "{}: tensor '{}': CSF round trip does not reproduce the source (codec bug)", label, t->name));
-        if (opt.keep_unprofitable && enc.encoded_bytes() >= data.size()) {
+        // Stored as planes (what b12x stores) where the grid allows, proven exact too.
+        std::vector<CsfPlanes> planes;
+        if (planes_storable(cand->shape)) {
+          planes = csf_to_planes(enc, t->name);
+          const std::uint64_t per_expert = std::uint64_t{cand->shape.rows} * cand->shape.cols;
+          for (std::size_t x = 0; x < planes.size(); ++x) {
+            const std::vector<std::uint8_t> grid = decode_planes(planes[x], t->name);
+            if (!std::equal(grid.begin(), grid.end(), data.begin() + std::ptrdiff_t(x * per_expert)))
+              throw CorruptData(fmt::format(
+                  "{}: tensor '{}': expert {}: planes do not reproduce the source (codec bug)", label, t->name,
+                  x));
+          }
+        }
+        const std::uint64_t csf_bytes = planes.empty() ? enc.encoded_bytes() : planes_stored_bytes(planes);
+        tr.stats.encoded_bytes = csf_bytes;
+        if (opt.keep_unprofitable && csf_bytes >= data.size()) {
           tr.action = TensorAction::native_kept;
-          tr.reason = ratio_reason(enc.encoded_bytes(), data.size());
+          tr.reason = ratio_reason(csf_bytes, data.size());
         } else {
           stored_csf = true;
           tr.action = TensorAction::csf;
-          stored_bytes = enc.encoded_bytes();
-          if (w) write_csf_parts(*w, t->name, enc);
-          info.csf.push_back(csf_entry(*t, *cand, c32, enc.exceptions.size()));
-          result.csf_names.insert(t->name);
+          stored_bytes = csf_bytes;
+          CsfEntry entry = csf_entry(*t, *cand, c32, enc.exceptions.size());
+          if (!planes.empty()) entry.storage = CsfStorage::planes;
+          if (w) {
+            if (planes.empty())
+              write_csf_parts(*w, t->name, enc);
+            else
+              write_csf_planes(*w, t->name, planes);
+          }
+          info.csf.push_back(std::move(entry));
+          result.csf_parts[t->name] = stored_part_names(t->name, info.csf.back().storage);
         }
       }
       if (!stored_csf) info.native_kept[t->name] = {cand->shape.format, cand->layer, tr.reason};
@@ -344,7 +375,8 @@ void restore_file(const st::File& c, const ContainerInfo& info, st::AtomicFile* 
       tr.format = e->grid.format;
       tr.layer = e->layer;
       tr.stats = stats(enc);
-      stored = enc.encoded_bytes();
+      set_resident(tr, enc);
+      stored = tr.stats.encoded_bytes = stored_part_bytes(c, *e);
     } else {
       const st::TensorInfo* ct = c.find(t->name);
       if (!ct) throw FormatError(fmt::format("{}: tensor '{}' of the original is missing", label, t->name));
@@ -520,7 +552,8 @@ void check_index_tensors(const Folder& f, const fs::path& in) {
   }
 }
 
-std::string rewrite_index(const st::ShardIndex& idx, const std::map<std::string, std::set<std::string>>& csf,
+std::string rewrite_index(const st::ShardIndex& idx,
+                          const std::map<std::string, std::map<std::string, std::vector<std::string>>>& csf,
                           std::uint64_t total_stored, const std::string& label) {
   ojson orig;
   try {
@@ -532,8 +565,7 @@ std::string rewrite_index(const st::ShardIndex& idx, const std::map<std::string,
   for (const auto& [tensor, s] : idx.weight_map) {
     auto it = csf.find(s);
     if (it != csf.end() && it->second.count(tensor)) {
-      const auto p = part_names(tensor);
-      for (const auto* n : {&p.fixed, &p.exceptions, &p.row_prefix, &p.partition_index}) wm[*n] = s;
+      for (const std::string& n : it->second.at(tensor)) wm[n] = s;
     } else {
       wm[tensor] = s;
     }
@@ -623,12 +655,12 @@ CheckpointReport compress_checkpoint(const fs::path& in, const fs::path& out,
     job.total += file.data_size();
   }
   TempDir tmp(out);
-  std::map<std::string, std::set<std::string>> csf;
+  std::map<std::string, std::map<std::string, std::vector<std::string>>> csf;
   std::uint64_t total_stored = 0;
   for (const auto& [n, file] : f.files) {
     FileResult r = compress_file(file, tmp.path() / n, n, job, rep, true);
     for (const auto& t : r.stored) total_stored += t.nbytes();
-    csf[n] = std::move(r.csf_names);
+    csf[n] = std::move(r.csf_parts);
   }
   if (f.index)
     write_file(tmp.path() / st::kIndexFileName,
@@ -746,7 +778,8 @@ CheckpointReport inspect_checkpoint(const fs::path& in, const CompressOptions& o
           tr.format = e->grid.format;
           tr.layer = e->layer;
           tr.stats = stats(enc);
-          stored = enc.encoded_bytes();
+          set_resident(tr, enc);
+          stored = tr.stats.encoded_bytes = stored_part_bytes(file, *e);
         } else if (auto k = info->native_kept.find(t->name); k != info->native_kept.end()) {
           tr.action = TensorAction::native_kept;
           tr.format = k->second.format;

@@ -15,7 +15,21 @@ namespace csfmoe::detail {
 using ojson = nlohmann::ordered_json;
 
 PartNames part_names(const std::string& t) {
-  return {t + ".csf.fixed", t + ".csf.exceptions", t + ".csf.row_prefix", t + ".csf.partition_index"};
+  return {t + ".csf.fixed",  t + ".csf.exceptions", t + ".csf.row_prefix", t + ".csf.partition_index",
+          t + ".csf.planes", t + ".csf.expert_exceptions"};
+}
+
+std::string_view to_string(CsfStorage s) { return s == CsfStorage::planes ? "planes" : "resident"; }
+
+bool planes_storable(const GridShape& g) {
+  if (g.layout != ScaleLayout::row_major) return false;
+  try {
+    check_plane_shape(PlaneShape{g.format, g.rows, g.cols}, "");
+    (void)CsfGeometry::of(g);
+  } catch (const InvalidArgument&) {
+    return false;
+  }
+  return true;
 }
 
 const CsfEntry* ContainerInfo::find(const std::string& name) const {
@@ -36,6 +50,7 @@ void put_container_metadata(const ContainerInfo& info, st::Metadata& md) {
     t["crc32"] = e.crc32;
     t["exceptions"] = e.exceptions;
     t["layer"] = e.layer;
+    t["storage"] = std::string(to_string(e.storage));
     tensors[e.name] = std::move(t);
   }
   ojson desc = ojson::object();
@@ -139,6 +154,14 @@ std::optional<ContainerInfo> get_container_metadata(const std::optional<st::Meta
     e.crc32 = as_uint<std::uint32_t>(field(t, "crc32", what), what + ".crc32", UINT32_MAX);
     e.exceptions = as_uint<std::uint64_t>(field(t, "exceptions", what), what + ".exceptions");
     if (auto l = t.find("layer"); l != t.end()) e.layer = as_string(*l, what + ".layer");
+    if (auto s = t.find("storage"); s != t.end()) {
+      const std::string v = as_string(*s, what + ".storage");
+      if (v == "planes" && version >= 2)
+        e.storage = CsfStorage::planes;
+      else if (v != "resident")
+        throw FormatError(fmt::format("{}.storage: '{}' is not a storage of container version {}", what, v,
+                                      version));
+    }
     info.csf.push_back(std::move(e));
   }
   if (auto k = desc.find("native_kept"); k != desc.end()) {
@@ -202,6 +225,44 @@ void write_csf_parts(st::Writer& w, const std::string& name, const CsfTensor& t)
   w.add_tensor(p.partition_index, st::Dtype::U32, {t.partition_index.size()}, as_bytes(t.partition_index));
 }
 
+void write_csf_planes(st::Writer& w, const std::string& name, std::span<const CsfPlanes> experts) {
+  const auto p = part_names(name);
+  const PlaneShape s = experts.empty() ? PlaneShape{} : experts.front().shape;
+  const std::uint64_t slab = plane_slab_bytes(s.format, s.cols);
+  w.begin_tensor(p.planes, st::Dtype::U8, {experts.size() * (s.rows / plane_slab_rows), slab});
+  for (const auto& e : experts) w.write(e.fixed);
+  w.end_tensor();
+  std::vector<std::uint32_t> counts;
+  std::uint64_t records = 0;
+  for (const auto& e : experts) {
+    counts.push_back(static_cast<std::uint32_t>(e.exceptions.size()));
+    records += e.exceptions.size();
+  }
+  w.begin_tensor(p.exceptions, st::Dtype::U32, {records});
+  for (const auto& e : experts) w.write(as_bytes(e.exceptions));
+  w.end_tensor();
+  w.add_tensor(p.expert_exceptions, st::Dtype::U32, {counts.size()}, as_bytes(counts));
+}
+
+std::uint64_t planes_stored_bytes(std::span<const CsfPlanes> experts) {
+  std::uint64_t n = 0;
+  for (const auto& e : experts) n += e.fixed.size() + 4 * e.exceptions.size() + 4;
+  return n;
+}
+
+std::vector<std::string> stored_part_names(const std::string& tensor, CsfStorage storage) {
+  auto p = part_names(tensor);
+  if (storage == CsfStorage::planes) return {p.planes, p.exceptions, p.expert_exceptions};
+  return {p.fixed, p.exceptions, p.row_prefix, p.partition_index};
+}
+
+std::uint64_t stored_part_bytes(const st::File& c, const CsfEntry& e) {
+  std::uint64_t n = 0;
+  for (const std::string& name : stored_part_names(e.name, e.storage))
+    if (const st::TensorInfo* t = c.find(name)) n += t->nbytes();
+  return n;
+}
+
 std::uint64_t container_header_bound(const ContainerInfo& base, const std::vector<BoundTensor>& tensors,
                                      const std::optional<st::Metadata>& metadata) {
   std::uint64_t bound = 1024;
@@ -232,6 +293,9 @@ std::uint64_t container_header_bound(const ContainerInfo& base, const std::vecto
       push(p.exceptions, st::Dtype::U32, 4 * values, {values});
       push(p.row_prefix, st::Dtype::U32, 4 * rp, {rp});
       push(p.partition_index, st::Dtype::U32, 4 * pi, {pi});
+      // Or stored as planes: never more bytes than the resident parts above.
+      push(p.planes, st::Dtype::U8, g.fixed_bytes(), {g.fixed_bytes(), g.fixed_bytes()});
+      push(p.expert_exceptions, st::Dtype::U32, 4 * std::uint64_t{g.shape.experts}, {g.shape.experts});
       CsfEntry e;
       e.name = t->name;
       e.dtype = t->dtype;
@@ -240,6 +304,7 @@ std::uint64_t container_header_bound(const ContainerInfo& base, const std::vecto
       e.crc32 = UINT32_MAX;
       e.exceptions = values;
       e.layer = b.layer;
+      e.storage = CsfStorage::resident;  // the longer of the two names
       ub.csf.push_back(std::move(e));
       // Its native entry (if kept) and the reason string in the descriptor.
       bound += 2 * ojson(t->name).dump().size() + 21 * (t->shape.size() + 2) + 512;
@@ -315,6 +380,49 @@ std::uint32_t crc_of(std::string_view s) {
   return crc_of(std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(s.data()), s.size()));
 }
 
+namespace {
+
+// The resident form from the plane parts of `e` (read through `get`, which
+// checks each part's dtype and shape).
+template <class Get>
+CsfTensor load_planes(const CsfEntry& e, const std::string& what, Get&& get) {
+  const GridShape& g = e.grid;
+  if (!planes_storable(g))
+    throw FormatError(fmt::format("{}: a {} grid of {} x {} cannot be stored as planes", what,
+                                  to_string(g.layout), g.rows, g.cols));
+  const PlaneShape shape{g.format, g.rows, g.cols};
+  const std::uint64_t slab = plane_slab_bytes(g.format, g.cols), slabs = g.rows / plane_slab_rows;
+  const auto p = part_names(e.name);
+  const auto planes = get(p.planes, st::Dtype::U8, {std::uint64_t{g.experts} * slabs, slab});
+  const auto records = get(p.exceptions, st::Dtype::U32, {e.exceptions});
+  const auto counts_raw = get(p.expert_exceptions, st::Dtype::U32, {g.experts});
+  std::vector<std::uint32_t> counts(g.experts);
+  if (!counts.empty()) std::memcpy(counts.data(), counts_raw.data(), counts_raw.size());
+  std::uint64_t total = 0;
+  for (std::uint32_t c : counts) total += c;
+  if (total != e.exceptions)
+    throw FormatError(fmt::format("{}: the per-expert record counts add up to {}, the descriptor says {}", what,
+                                  total, e.exceptions));
+  std::vector<CsfPlanes> experts(g.experts);
+  std::uint64_t at = 0;
+  for (std::uint32_t x = 0; x < g.experts; ++x) {
+    CsfPlanes& pl = experts[x];
+    pl.shape = shape;
+    const auto fixed = planes.subspan(x * slabs * slab, slabs * slab);
+    pl.fixed.assign(fixed.begin(), fixed.end());
+    pl.exceptions.resize(counts[x]);
+    if (counts[x]) std::memcpy(pl.exceptions.data(), records.data() + 4 * at, 4 * std::uint64_t{counts[x]});
+    at += counts[x];
+  }
+  try {
+    return planes_to_csf(experts, what);
+  } catch (const InvalidArgument& x) {
+    throw FormatError(fmt::format("{}: {}", what, x.what()));
+  }
+}
+
+}  // namespace
+
 CsfTensor load_csf_parts(const st::File& c, const CsfEntry& e, const std::string& label) {
   const std::string what = fmt::format("{}: tensor '{}'", label, e.name);
   CsfTensor t;
@@ -324,23 +432,25 @@ CsfTensor load_csf_parts(const st::File& c, const CsfEntry& e, const std::string
     throw FormatError(fmt::format("{}: invalid grid in the descriptor: {}", what, x.what()));
   }
   const auto p = part_names(e.name);
-  auto get = [&](const std::string& n, st::Dtype d, std::uint64_t count) -> std::span<const std::uint8_t> {
+  auto get = [&](const std::string& n, st::Dtype d,
+                 const std::vector<std::uint64_t>& shape) -> std::span<const std::uint8_t> {
     const st::TensorInfo* ti = c.find(n);
     if (!ti) throw FormatError(fmt::format("{}: CSF part '{}' is missing", what, n));
     if (ti->dtype != d)
       throw FormatError(fmt::format("{}: CSF part '{}' must be {}, got {}", what, n, st::to_string(d),
                                     st::to_string(ti->dtype)));
-    if (ti->shape.size() != 1 || ti->shape[0] != count)
+    if (ti->shape != shape)
       throw FormatError(fmt::format("{}: CSF part '{}' has shape [{}], expected [{}]", what, n,
-                                    fmt::join(ti->shape, ", "), count));
+                                    fmt::join(ti->shape, ", "), fmt::join(shape, ", ")));
     return c.data(*ti);
   };
   const auto& g = t.geometry;
-  auto fixed = get(p.fixed, st::Dtype::U8, g.fixed_bytes());
-  auto exc = get(p.exceptions, st::Dtype::U32, e.exceptions);
-  auto rp = get(p.row_prefix, st::Dtype::U32, g.total_rows() + 1);
+  if (e.storage == CsfStorage::planes) return load_planes(e, what, get);
+  auto fixed = get(p.fixed, st::Dtype::U8, {g.fixed_bytes()});
+  auto exc = get(p.exceptions, st::Dtype::U32, {e.exceptions});
+  auto rp = get(p.row_prefix, st::Dtype::U32, {g.total_rows() + 1});
   auto pi =
-      get(p.partition_index, st::Dtype::U32, std::uint64_t{g.partitions_per_expert} * g.shape.experts + 1);
+      get(p.partition_index, st::Dtype::U32, {std::uint64_t{g.partitions_per_expert} * g.shape.experts + 1});
   t.fixed.assign(fixed.begin(), fixed.end());
   auto load32 = [](std::span<const std::uint8_t> b, std::vector<std::uint32_t>& v) {
     v.resize(b.size() / 4);

@@ -9,21 +9,43 @@
 #include <string>
 #include <vector>
 
+#include "csfmoe/b12x_planes.hpp"
 #include "csfmoe/codec.hpp"
 #include "csfmoe/safetensors.hpp"
 
 namespace csfmoe::detail {
 
-inline constexpr int kContainerVersion = 1;
+// Version 2 adds the planes storage (CsfStorage); version 1 files still load.
+inline constexpr int kContainerVersion = 2;
 inline constexpr const char* kContainerKey = "csfmoe.container";  // __metadata__ key of the descriptor
 inline constexpr const char* kOriginalKey = "csfmoe.original";    // __metadata__ key of the restore record
 inline constexpr const char* kFormatName = "csfmoe-csf";
 
-// Part tensor names of a compressed tensor.
+// How a CSF tensor's parts are stored (docs/container-format.md).
+enum class CsfStorage {
+  // The resident form as is: padded fixed slabs, records, row prefix and
+  // partition index (the only storage of version 1).
+  resident,
+  // Per expert what b12x stores: the canonical fixed plane (16-row slabs of
+  // bases and codes, no padding) and the records, plus a record count per
+  // expert; the resident form is derived at load without re-encoding.
+  planes,
+};
+std::string_view to_string(CsfStorage s);
+
+// Part tensor names of a compressed tensor (resident: fixed, exceptions,
+// row_prefix, partition_index; planes: planes, exceptions, expert_exceptions).
 struct PartNames {
-  std::string fixed, exceptions, row_prefix, partition_index;
+  std::string fixed, exceptions, row_prefix, partition_index, planes, expert_exceptions;
+  std::vector<const std::string*> all() const {
+    return {&fixed, &exceptions, &row_prefix, &partition_index, &planes, &expert_exceptions};
+  }
 };
 PartNames part_names(const std::string& tensor);
+
+// Whether a grid can be stored as planes: row-major, rows a multiple of 16,
+// NVFP4 columns even, 2^24 positions per expert (b12x's plane rules).
+bool planes_storable(const GridShape& g);
 
 struct CsfEntry {
   std::string name;  // original tensor name
@@ -33,6 +55,7 @@ struct CsfEntry {
   std::uint32_t crc32 = 0;  // zlib crc32 of the original tensor bytes
   std::uint64_t exceptions = 0;
   std::string layer;
+  CsfStorage storage = CsfStorage::resident;
 };
 
 struct KeptNative {
@@ -63,8 +86,16 @@ void put_container_metadata(const ContainerInfo& info, st::Metadata& md);
 std::optional<ContainerInfo> get_container_metadata(const std::optional<st::Metadata>& md,
                                                     const std::string& label);
 
-// Writes the four part tensors of CSF tensor `name` (what load_csf_parts reads).
+// Writes the four resident part tensors of CSF tensor `name` (what load_csf_parts reads).
 void write_csf_parts(st::Writer& w, const std::string& name, const CsfTensor& t);
+// Writes the three plane part tensors of CSF tensor `name`, one plane per expert.
+void write_csf_planes(st::Writer& w, const std::string& name, std::span<const CsfPlanes> experts);
+// Bytes those plane parts take in the file.
+std::uint64_t planes_stored_bytes(std::span<const CsfPlanes> experts);
+// The part tensor names a CSF tensor has with this storage, in file order.
+std::vector<std::string> stored_part_names(const std::string& tensor, CsfStorage storage);
+// Bytes the parts of `e` take in container `c` (0 for a part that is missing).
+std::uint64_t stored_part_bytes(const st::File& c, const CsfEntry& e);
 
 // A tensor of the source file as the container header bound sees it.
 struct BoundTensor {
@@ -81,8 +112,9 @@ struct BoundTensor {
 std::uint64_t container_header_bound(const ContainerInfo& base, const std::vector<BoundTensor>& tensors,
                                      const std::optional<st::Metadata>& metadata);
 
-// Loads and validates the four parts of CSF tensor `e` from container file
-// `c` (untrusted: shapes, dtypes and the parts themselves are checked);
+// Loads and validates the parts of CSF tensor `e` from container file `c`
+// (untrusted: shapes, dtypes and the parts themselves are checked) and
+// returns the resident form; planes are converted without re-encoding.
 // FormatError messages start with `label` and the tensor name.
 CsfTensor load_csf_parts(const st::File& c, const CsfEntry& e, const std::string& label);
 

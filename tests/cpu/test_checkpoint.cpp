@@ -141,10 +141,25 @@ void check_container(const fs::path& p, const CheckpointReport& rep) {
   for (const auto& t : rep.tensors) {
     if (t.action == TensorAction::csf) {
       EXPECT_EQ(f.find(t.name), nullptr) << t.name;
-      for (const char* s : {".csf.fixed", ".csf.exceptions", ".csf.row_prefix", ".csf.partition_index"})
-        EXPECT_NE(f.find(t.name + s), nullptr) << t.name << s;
-      EXPECT_EQ(f.find(t.name + ".csf.fixed")->dtype, st::Dtype::U8);
+      // Either the resident parts (version 1 storage) or the plane parts, never both.
+      const bool planes = f.find(t.name + ".csf.planes") != nullptr;
+      const std::vector<const char*> parts =
+          planes ? std::vector<const char*>{".csf.planes", ".csf.exceptions", ".csf.expert_exceptions"}
+                 : std::vector<const char*>{".csf.fixed", ".csf.exceptions", ".csf.row_prefix",
+                                            ".csf.partition_index"};
+      const std::vector<const char*> absent =
+          planes ? std::vector<const char*>{".csf.fixed", ".csf.row_prefix", ".csf.partition_index"}
+                 : std::vector<const char*>{".csf.expert_exceptions"};
+      std::uint64_t stored = 0;
+      for (const char* s : parts) {
+        const st::TensorInfo* part = f.find(t.name + s);
+        ASSERT_NE(part, nullptr) << t.name << s;
+        stored += part->nbytes();
+      }
+      for (const char* s : absent) EXPECT_EQ(f.find(t.name + s), nullptr) << t.name << s;
+      EXPECT_EQ(f.find(t.name + (planes ? ".csf.planes" : ".csf.fixed"))->dtype, st::Dtype::U8);
       EXPECT_EQ(f.find(t.name + ".csf.exceptions")->dtype, st::Dtype::U32);
+      EXPECT_EQ(t.stats.encoded_bytes, stored) << t.name << ": the report's stored bytes are the parts' bytes";
     } else {
       EXPECT_NE(f.find(t.name), nullptr) << t.name;
     }
@@ -419,9 +434,18 @@ TEST(Checkpoint, ShardedFolderWithIndexAndConfig) {
   const ojson nidx = ojson::parse(read_bytes(out / "model.safetensors.index.json"));
   const auto& wm = nidx["weight_map"];
   EXPECT_FALSE(wm.contains("model.layers.0.mlp.experts.w13.weight_scale"));
-  EXPECT_EQ(wm["model.layers.0.mlp.experts.w13.weight_scale.csf.fixed"], "model-00001-of-00002.safetensors");
-  EXPECT_EQ(wm["model.layers.1.mlp.experts.down_proj_scales.csf.partition_index"],
-            "model-00002-of-00002.safetensors");
+  // Every part of a CSF tensor is listed under its shard, whichever storage it has.
+  for (const auto& [tensor, shard] :
+       {std::pair<std::string, std::string>{"model.layers.0.mlp.experts.w13.weight_scale",
+                                            "model-00001-of-00002.safetensors"},
+        {"model.layers.1.mlp.experts.down_proj_scales", "model-00002-of-00002.safetensors"}}) {
+    const bool planes = wm.contains(tensor + ".csf.planes");
+    const std::vector<std::string> parts =
+        planes ? std::vector<std::string>{".csf.planes", ".csf.exceptions", ".csf.expert_exceptions"}
+               : std::vector<std::string>{".csf.fixed", ".csf.exceptions", ".csf.row_prefix",
+                                          ".csf.partition_index"};
+    for (const auto& s : parts) EXPECT_EQ(wm[tensor + s], shard) << tensor << s;
+  }
   EXPECT_TRUE(wm.contains("model.layers.1.mlp.experts.w2.weight_scale"))
       << "kept-native tensor keeps its name";
   EXPECT_EQ(nidx["metadata"]["csfmoe"]["original_index"], idx_text);
@@ -551,19 +575,64 @@ TEST(Checkpoint, CorruptContainersAreCaught) {
                                         {p.string(), "model.embed_tokens.weight", "CRC32"});
     expect_error_no_output<CorruptData>(dir, [&] { verify_checkpoint(p); }, {"model.embed_tokens.weight"});
   }
+  // Plane storage (the default for this row-major grid).
+  ASSERT_NE(st::File::open(good).find(scale + ".csf.planes"), nullptr);
+  // A per-expert record count: the counts no longer add up.
+  {
+    const auto p = corrupt_copy(scale + ".csf.expert_exceptions", 0, [](char& c) { c ^= 0x01; });
+    expect_error_no_output<FormatError>(dir, [&] { decompress_checkpoint(p, out); }, {p.string(), scale});
+    expect_error_no_output<FormatError>(dir, [&] { verify_checkpoint(p); }, {scale, "record counts"});
+  }
+  // A base byte above 240: the plane check names the tensor.
+  {
+    const auto p = corrupt_copy(scale + ".csf.planes", rng() % 16, [](char& c) { c = char(0xF5); });
+    expect_error_no_output<FormatError>(dir, [&] { verify_checkpoint(p); }, {p.string(), scale, "240"});
+  }
+  // A code byte: decodes to other bytes, CRC names the tensor (or validation
+  // does when the slot belonged to an exception).
+  {
+    const st::File f = st::File::open(good);
+    const st::TensorInfo* planes = f.find(scale + ".csf.planes");
+    const std::uint64_t slab = planes->shape[1];
+    const std::uint64_t at = (rng() % planes->shape[0]) * slab + 16 + rng() % (slab - 16);
+    const auto p = corrupt_copy(scale + ".csf.planes", at, [](char& c) { c ^= 0x11; });
+    const auto before = dir.entries();
+    try {
+      decompress_checkpoint(p, out);
+      ADD_FAILURE() << "corrupted plane accepted";
+    } catch (const Error& e) {
+      EXPECT_TRUE(e.kind() == ErrorKind::corrupt || e.kind() == ErrorKind::format) << e.what();
+      EXPECT_NE(std::string(e.what()).find(scale), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(dir.entries(), before);
+  }
+  // Resident storage (what a swizzled grid, and every version 1 file, keeps).
+  const fs::path resident = dir.path / "resident.csf";
+  {
+    CompressOptions o;
+    o.layout = ScaleLayout::swizzled_128x4;  // 128 x 16 per expert: the same shape either way
+    compress_checkpoint(dir.path / "a.safetensors", resident, o);
+    ASSERT_NE(st::File::open(resident).find(scale + ".csf.row_prefix"), nullptr);
+  }
+  auto corrupt_resident = [&](const std::string& tensor, std::uint64_t at, const std::function<void(char&)>& f) {
+    const fs::path p = dir.path / ("bad" + std::to_string(n++) + ".csf");
+    fs::copy_file(resident, p);
+    patch_file(p, file_offset(p, tensor) + at, f);
+    return p;
+  };
   // A row_prefix entry: structural validation names the tensor.
   {
-    const auto p = corrupt_copy(scale + ".csf.row_prefix", 4 * (1 + rng() % 100), [](char& c) { c ^= 0x40; });
+    const auto p =
+        corrupt_resident(scale + ".csf.row_prefix", 4 * (1 + rng() % 100), [](char& c) { c ^= 0x40; });
     expect_error_no_output<FormatError>(dir, [&] { decompress_checkpoint(p, out); }, {p.string(), scale});
     expect_error_no_output<FormatError>(dir, [&] { verify_checkpoint(p); }, {scale, "invalid CSF parts"});
   }
-  // An offset byte of the fixed part: decodes to other bytes, CRC names the tensor
-  // (or validation does when the slot belonged to an exception).
+  // An offset byte of the fixed part.
   {
-    const st::File f = st::File::open(good);
+    const st::File f = st::File::open(resident);
     const std::uint64_t fixed = f.find(scale + ".csf.fixed")->nbytes();
     const auto p =
-        corrupt_copy(scale + ".csf.fixed", 128 + rng() % (fixed - 128), [](char& c) { c ^= 0x11; });
+        corrupt_resident(scale + ".csf.fixed", 128 + rng() % (fixed - 128), [](char& c) { c ^= 0x11; });
     const auto before = dir.entries();
     try {
       decompress_checkpoint(p, out);

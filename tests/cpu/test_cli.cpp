@@ -530,15 +530,20 @@ TEST_F(CliTest, FlippedCompressedByteIsACrcMismatch) {
   std::size_t pos = 0;
   {
     const auto file = csfmoe::st::File::open(c);
-    // Any tensor stored as CSF (realistic w13 scales always are).
+    // Any tensor stored as CSF (realistic w13 scales always are), in either storage:
+    // planes (16-row slabs: 16 bases, then 16 rows of C / 2 code bytes) or the
+    // resident slabs (128 bases, then codes).
     std::vector<std::string> csf_tensors;
     for (const auto& t : sample.tensors)
-      if (sample.expected.count(t.name) && file.find(csfmoe::detail::part_names(t.name).fixed))
+      if (sample.expected.count(t.name) && (file.find(csfmoe::detail::part_names(t.name).planes) ||
+                                            file.find(csfmoe::detail::part_names(t.name).fixed)))
         csf_tensors.push_back(t.name);
     ASSERT_FALSE(csf_tensors.empty());
     std::mt19937_64 pick(seed);
     victim = csf_tensors[pick() % csf_tensors.size()];
-    const auto* part = file.find(csfmoe::detail::part_names(victim).fixed);
+    const auto names = csfmoe::detail::part_names(victim);
+    const auto* planes = file.find(names.planes);
+    const auto* part = planes ? planes : file.find(names.fixed);
     const auto& shape = std::find_if(sample.tensors.begin(), sample.tensors.end(), [&](const T& t) {
                           return t.name == victim;
                         })->shape;
@@ -547,11 +552,17 @@ TEST_F(CliTest, FlippedCompressedByteIsACrcMismatch) {
     };
     const auto geom = csfmoe::CsfGeometry::of({csfmoe::ScaleFormat::nvfp4, csfmoe::ScaleLayout::row_major,
                                                shape.size() == 3 ? dim(3) : 1u, dim(2), dim(1)});
-    ASSERT_EQ(part->nbytes(), geom.fixed_bytes());
+    const std::uint64_t slab = planes ? 16 * (1 + dim(1) / 2) : geom.slab_bytes;
+    const std::uint64_t bases = planes ? 16 : 128;
+    if (planes) {
+      EXPECT_EQ(part->nbytes(), std::uint64_t(shape.size() == 3 ? dim(3) : 1u) * dim(2) / 16 * slab);
+    } else {
+      EXPECT_EQ(part->nbytes(), geom.fixed_bytes());
+    }
     std::vector<std::size_t> candidates;
     for (std::size_t i = 0; i < part->nbytes(); ++i) {
       const std::uint8_t b = bytes[file.data_offset() + part->begin + i];
-      if (i % geom.slab_bytes >= 128 && (b & 0x0F) && (b & 0xF0)) candidates.push_back(i);
+      if (i % slab >= bases && (b & 0x0F) && (b & 0xF0)) candidates.push_back(i);
     }
     ASSERT_FALSE(candidates.empty());
     std::mt19937_64 rng(seed);
@@ -792,7 +803,11 @@ TEST_F(CliTest, InspectDeviceReportsResidentBytesPerLayerAndModel) {
     const auto& l = j["layers"][i];
     EXPECT_EQ(dl["layer"], l["layer"]);
     EXPECT_EQ(dl["native_bytes"], l["source_bytes"]);
-    EXPECT_EQ(dl["csf_bytes"], l["stored_bytes"]);
+    // Resident CSF (row prefix, partition index, padding) is above what is stored
+    // (planes); b12x's resident form lies between.
+    EXPECT_GE(dl["csf_bytes"].get<std::uint64_t>(), l["stored_bytes"].get<std::uint64_t>());
+    EXPECT_LE(dl["b12x_bytes"].get<std::uint64_t>(), dl["csf_bytes"].get<std::uint64_t>());
+    EXPECT_GE(dl["b12x_bytes"].get<std::uint64_t>(), l["stored_bytes"].get<std::uint64_t>());
     EXPECT_LT(dl["csf_bytes"].get<std::uint64_t>(), dl["native_bytes"].get<std::uint64_t>());
     EXPECT_EQ(dl["saved_bytes"].get<std::uint64_t>(),
               dl["native_bytes"].get<std::uint64_t>() - dl["csf_bytes"].get<std::uint64_t>());
@@ -922,12 +937,12 @@ TEST_F(CliTest, InspectDecodesAndCrcChecksCsfTensors) {
   auto bytes = read_bytes(c);
   const auto file = csfmoe::st::File::open(c);
   const std::string victim = "model.layers.0.mlp.experts.w13.weight_scale";
-  const auto* part = file.find(csfmoe::detail::part_names(victim).fixed);
+  const auto* part = file.find(csfmoe::detail::part_names(victim).planes);
   ASSERT_NE(part, nullptr);
   const std::size_t base = file.data_offset() + part->begin;
-  // Inside the first slab's codes: after its 128 bases, C >= 16 columns of 128 rows at 2 codes a byte.
-  std::size_t i = 128, j = 0;
-  for (std::size_t k = i + 1; k < 128 + 64 * 16 && !j; ++k)
+  // Inside the first plane slab's codes: after its 16 bases, C >= 16 columns of 16 rows at 2 codes a byte.
+  std::size_t i = 16, j = 0;
+  for (std::size_t k = i + 1; k < 16 + 8 * 16 && !j; ++k)
     if (bytes[base + k] != bytes[base + i]) j = k;
   ASSERT_NE(j, 0u);
   std::swap(bytes[base + i], bytes[base + j]);

@@ -264,7 +264,10 @@ TEST(HostileContainer, DescriptorClaimingHugeGridIsRefused) {
   };
   // 2^32-1 experts: the parts would be terabytes; the file holds kilobytes.
   tamper([](ojson& t) { t["grid"][0] = 0xFFFFFFFFu; });
-  expect_refused([&] { verify_checkpoint(csf, o); }, ErrorKind::format, {name, "csf.fixed", "shape"});
+  expect_refused([&] { verify_checkpoint(csf, o); }, ErrorKind::format, {name, "CSF part", "shape"});
+  // A storage this version does not know.
+  tamper([](ojson& t) { t["storage"] = "sparse"; });
+  expect_refused([&] { verify_checkpoint(csf, o); }, ErrorKind::format, {name, "storage", "sparse"});
   // An expert grid beyond the 24-bit positions.
   tamper([&](ojson& t) {
     t["grid"][1] = 1u << (12 + rng() % 8);

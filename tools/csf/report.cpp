@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "cli.hpp"
@@ -279,21 +280,37 @@ namespace {
 
 struct DeviceTotals {
   std::vector<std::pair<std::string, ResidentBytes>> layers;  // block scales per MoE layer
+  std::vector<std::uint64_t> layers_b12x;                     // b12x's resident form of the same
   ResidentBytes scales, model;                                // all scales; all tensors
-  std::uint64_t scratch = 0;                                  // largest layer's native scales
+  std::uint64_t scales_b12x = 0;
+  std::uint64_t scratch = 0;  // largest layer's native scales
 };
+
+// Device bytes of a tensor: the resident CSF form (not the stored one) for CSF tensors.
+std::uint64_t resident_of(const TensorReport& t) {
+  return t.action == TensorAction::csf && t.resident_bytes ? t.resident_bytes : stored_bytes(t);
+}
+std::uint64_t b12x_resident_of(const TensorReport& t) {
+  return t.action == TensorAction::csf && t.b12x_resident_bytes ? t.b12x_resident_bytes : stored_bytes(t);
+}
 
 DeviceTotals device_totals(const CheckpointReport& r) {
   DeviceTotals d;
   for (const auto& key : layer_order(r)) {
     ResidentBytes layer;
+    std::uint64_t b12x = 0;
     for (const auto& t : r.tensors)
-      if (is_scale(t) && t.layer == key) layer += ResidentBytes{source_bytes(t), stored_bytes(t)};
+      if (is_scale(t) && t.layer == key) {
+        layer += ResidentBytes{source_bytes(t), resident_of(t)};
+        b12x += b12x_resident_of(t);
+      }
     d.layers.emplace_back(key.empty() ? std::string("(outside MoE layers)") : key, layer);
+    d.layers_b12x.push_back(b12x);
     d.scales += layer;
+    d.scales_b12x += b12x;
     if (!key.empty()) d.scratch = std::max(d.scratch, layer.native);
   }
-  for (const auto& t : r.tensors) d.model += ResidentBytes{source_bytes(t), stored_bytes(t)};
+  for (const auto& t : r.tensors) d.model += ResidentBytes{source_bytes(t), resident_of(t)};
   return d;
 }
 
@@ -305,15 +322,16 @@ nlohmann::json resident_json(const ResidentBytes& b) {
 
 void print_device_report(std::FILE* out, const CheckpointReport& r) {
   const DeviceTotals d = device_totals(r);
-  fmt::print(out, "\nresident device memory (block scales native -> CSF)\n");
-  fmt::print(out, "{:<48} {:>12} {:>12} {:>12} {:>8}\n", "layer", "native", "csf", "saved", "ratio");
-  auto row = [&](const std::string& name, const ResidentBytes& b) {
-    fmt::print(out, "{:<48} {:>12} {:>12} {:>12} {:>8}\n", elide(name, 48), human_bytes(b.native),
-               human_bytes(b.csf), human_bytes(b.saved()), percent(b.ratio()));
+  fmt::print(out, "\nresident device memory (block scales native -> CSF; b12x: what b12x keeps resident)\n");
+  fmt::print(out, "{:<48} {:>12} {:>12} {:>12} {:>12} {:>8}\n", "layer", "native", "csf", "b12x", "saved", "ratio");
+  auto row = [&](const std::string& name, const ResidentBytes& b, std::optional<std::uint64_t> b12x) {
+    fmt::print(out, "{:<48} {:>12} {:>12} {:>12} {:>12} {:>8}\n", elide(name, 48), human_bytes(b.native),
+               human_bytes(b.csf), b12x ? human_bytes(*b12x) : std::string("-"), human_bytes(b.saved()),
+               percent(b.ratio()));
   };
-  for (const auto& [name, b] : d.layers) row(name, b);
-  row("all block scales", d.scales);
-  row("model (all tensors)", d.model);
+  for (std::size_t i = 0; i < d.layers.size(); ++i) row(d.layers[i].first, d.layers[i].second, d.layers_b12x[i]);
+  row("all block scales", d.scales, d.scales_b12x);
+  row("model (all tensors)", d.model, std::nullopt);
   fmt::print(out, "expand scratch shared by all layers (largest layer's native scales): {}\n",
              human_bytes(d.scratch));
 }
@@ -321,13 +339,16 @@ void print_device_report(std::FILE* out, const CheckpointReport& r) {
 nlohmann::json device_report_json(const CheckpointReport& r) {
   const DeviceTotals d = device_totals(r);
   nlohmann::json layers = nlohmann::json::array();
-  for (const auto& [name, b] : d.layers) {
-    auto j = resident_json(b);
-    j["layer"] = name;
+  for (std::size_t i = 0; i < d.layers.size(); ++i) {
+    auto j = resident_json(d.layers[i].second);
+    j["layer"] = d.layers[i].first;
+    j["b12x_bytes"] = d.layers_b12x[i];
     layers.push_back(std::move(j));
   }
+  auto scales = resident_json(d.scales);
+  scales["b12x_bytes"] = d.scales_b12x;
   return {{"layers", layers},
-          {"scales", resident_json(d.scales)},
+          {"scales", scales},
           {"model", resident_json(d.model)},
           {"expand_scratch_bytes", d.scratch}};
 }
