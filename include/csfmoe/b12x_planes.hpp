@@ -17,6 +17,12 @@
 
 namespace csfmoe {
 
+// The tensor names b12x / vLLM checkpoints give the two planes of the
+// block-scale tensor `scale` (which is then absent): scale +
+// ".nvfp4_csf_fixed" / ".nvfp4_csf_exceptions", or ".mxfp4_csf_*".
+std::string b12x_fixed_name(std::string_view scale, ScaleFormat format);
+std::string b12x_exceptions_name(std::string_view scale, ScaleFormat format);
+
 // The native scale grid of one expert projection: rows x cols bytes, row-major.
 struct PlaneShape {
   ScaleFormat format = ScaleFormat::nvfp4;

@@ -29,6 +29,19 @@ using ProgressFn = std::function<void(const Progress&)>;
 // ("row_major" or "swizzled_128x4"); `csf synth` writes it.
 inline constexpr std::string_view kScaleLayoutKey = "csfmoe.scale_layout";
 
+// How compress stores CSF tensors.
+enum class CheckpointSchema {
+  // csfmoe's container: every block-scale tensor that pays as CSF, stored as
+  // planes where the grid allows, else in the resident form.
+  csfmoe,
+  // b12x / vLLM's canonical planes under their own names (X.nvfp4_csf_fixed,
+  // X.nvfp4_csf_exceptions, or .mxfp4_csf_*) for every expert projection's
+  // block scales (per-expert names; a stacked [E, R, C] scale is refused),
+  // whether or not CSF pays; other tensors stay native. The file stays a
+  // csfmoe container too (restore record), so decompress is byte-exact.
+  b12x,
+};
+
 struct CompressOptions {
   unsigned threads = 0;  // 0: all hardware threads
   // How the source's scale tensors are laid out. Unset: each file's
@@ -42,6 +55,7 @@ struct CompressOptions {
   // records tp/rank and decompresses to the sliced native file (see
   // docs/container-format.md, "Tensor-parallel slices").
   unsigned tp = 1, tp_rank = 0;
+  CheckpointSchema schema = CheckpointSchema::csfmoe;
 };
 
 // What happened to one tensor.

@@ -196,10 +196,27 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
     if (cand) {
       tr.format = cand->shape.format;
       tr.layer = cand->layer;
+      const bool b12x = opt.schema == CheckpointSchema::b12x;
       if (auto u = unusable.find(t->name); u != unusable.end()) {
+        if (b12x && !cand->layer.empty())
+          throw InvalidArgument(fmt::format("{}: tensor '{}': cannot be stored in the b12x schema: {}", label,
+                                            t->name, u->second));
         tr.action = TensorAction::native_kept;
         tr.reason = u->second;
+      } else if (b12x && cand->layer.empty()) {
+        tr.action = TensorAction::native_kept;
+        tr.reason = "b12x schema: only expert projections are stored as CSF";
       } else {
+        if (b12x && cand->shape.experts != 1)
+          throw InvalidArgument(fmt::format(
+              "{}: tensor '{}': stacked expert scales {}; the b12x schema stores one tensor per expert "
+              "projection (per-expert names such as ...experts.E.gate_proj.weight_scale)",
+              label, t->name, shape_str(t->shape)));
+        if (b12x && !planes_storable(cand->shape))
+          throw InvalidArgument(fmt::format(
+              "{}: tensor '{}': a {} grid of {} x {} cannot be stored in the b12x schema (rows a multiple of "
+              "16, NVFP4 columns even, row-major)",
+              label, t->name, to_string(cand->shape.layout), cand->shape.rows, cand->shape.cols));
         CsfTensor enc = encode(cand->shape, data, copts);
         tr.stats = stats(enc);
         set_resident(tr, enc);
@@ -222,9 +239,16 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
                   x));
           }
         }
-        const std::uint64_t csf_bytes = planes.empty() ? enc.encoded_bytes() : planes_stored_bytes(planes);
+        const CsfStorage storage = b12x             ? CsfStorage::b12x
+                                   : planes.empty() ? CsfStorage::resident
+                                                    : CsfStorage::planes;
+        const std::uint64_t csf_bytes = storage == CsfStorage::resident ? enc.encoded_bytes()
+                                        : storage == CsfStorage::b12x
+                                            ? planes_stored_bytes(planes) - 4  // no record count
+                                            : planes_stored_bytes(planes);
         tr.stats.encoded_bytes = csf_bytes;
-        if (opt.keep_unprofitable && csf_bytes >= data.size()) {
+        // The b12x schema stores every expert projection as planes: its loaders expect them.
+        if (!b12x && opt.keep_unprofitable && csf_bytes >= data.size()) {
           tr.action = TensorAction::native_kept;
           tr.reason = ratio_reason(csf_bytes, data.size());
         } else {
@@ -232,15 +256,17 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
           tr.action = TensorAction::csf;
           stored_bytes = csf_bytes;
           CsfEntry entry = csf_entry(*t, *cand, c32, enc.exceptions.size());
-          if (!planes.empty()) entry.storage = CsfStorage::planes;
+          entry.storage = storage;
           if (w) {
-            if (planes.empty())
+            if (storage == CsfStorage::resident)
               write_csf_parts(*w, t->name, enc);
-            else
+            else if (storage == CsfStorage::planes)
               write_csf_planes(*w, t->name, planes);
+            else
+              write_b12x_planes(*w, t->name, planes.front());
           }
           info.csf.push_back(std::move(entry));
-          result.csf_parts[t->name] = stored_part_names(t->name, info.csf.back().storage);
+          result.csf_parts[t->name] = stored_part_names(t->name, storage, cand->shape.format);
         }
       }
       if (!stored_csf) info.native_kept[t->name] = {cand->shape.format, cand->layer, tr.reason};

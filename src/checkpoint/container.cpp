@@ -15,11 +15,29 @@ namespace csfmoe::detail {
 using ojson = nlohmann::ordered_json;
 
 PartNames part_names(const std::string& t) {
-  return {t + ".csf.fixed",  t + ".csf.exceptions", t + ".csf.row_prefix", t + ".csf.partition_index",
-          t + ".csf.planes", t + ".csf.expert_exceptions"};
+  return {t + ".csf.fixed",
+          t + ".csf.exceptions",
+          t + ".csf.row_prefix",
+          t + ".csf.partition_index",
+          t + ".csf.planes",
+          t + ".csf.expert_exceptions",
+          b12x_fixed_name(t, ScaleFormat::nvfp4),
+          b12x_exceptions_name(t, ScaleFormat::nvfp4),
+          b12x_fixed_name(t, ScaleFormat::mxfp4),
+          b12x_exceptions_name(t, ScaleFormat::mxfp4)};
 }
 
-std::string_view to_string(CsfStorage s) { return s == CsfStorage::planes ? "planes" : "resident"; }
+std::string_view to_string(CsfStorage s) {
+  switch (s) {
+    case CsfStorage::planes:
+      return "planes";
+    case CsfStorage::b12x:
+      return "b12x";
+    case CsfStorage::resident:
+      break;
+  }
+  return "resident";
+}
 
 bool planes_storable(const GridShape& g) {
   if (g.layout != ScaleLayout::row_major) return false;
@@ -158,6 +176,8 @@ std::optional<ContainerInfo> get_container_metadata(const std::optional<st::Meta
       const std::string v = as_string(*s, what + ".storage");
       if (v == "planes" && version >= 2)
         e.storage = CsfStorage::planes;
+      else if (v == "b12x" && version >= 2)
+        e.storage = CsfStorage::b12x;
       else if (v != "resident")
         throw FormatError(fmt::format("{}.storage: '{}' is not a storage of container version {}", what, v,
                                       version));
@@ -250,15 +270,30 @@ std::uint64_t planes_stored_bytes(std::span<const CsfPlanes> experts) {
   return n;
 }
 
-std::vector<std::string> stored_part_names(const std::string& tensor, CsfStorage storage) {
+std::vector<std::string> stored_part_names(const std::string& tensor, CsfStorage storage, ScaleFormat format) {
   auto p = part_names(tensor);
-  if (storage == CsfStorage::planes) return {p.planes, p.exceptions, p.expert_exceptions};
+  switch (storage) {
+    case CsfStorage::planes:
+      return {p.planes, p.exceptions, p.expert_exceptions};
+    case CsfStorage::b12x:
+      return {b12x_fixed_name(tensor, format), b12x_exceptions_name(tensor, format)};
+    case CsfStorage::resident:
+      break;
+  }
   return {p.fixed, p.exceptions, p.row_prefix, p.partition_index};
+}
+
+void write_b12x_planes(st::Writer& w, const std::string& name, const CsfPlanes& planes) {
+  const PlaneShape& s = planes.shape;
+  w.add_tensor(b12x_fixed_name(name, s.format), st::Dtype::U8,
+               {s.rows / plane_slab_rows, plane_slab_bytes(s.format, s.cols)}, planes.fixed);
+  w.add_tensor(b12x_exceptions_name(name, s.format), st::Dtype::U32, {planes.exceptions.size()},
+               as_bytes(planes.exceptions));
 }
 
 std::uint64_t stored_part_bytes(const st::File& c, const CsfEntry& e) {
   std::uint64_t n = 0;
-  for (const std::string& name : stored_part_names(e.name, e.storage))
+  for (const std::string& name : stored_part_names(e.name, e.storage, e.grid.format))
     if (const st::TensorInfo* t = c.find(name)) n += t->nbytes();
   return n;
 }
@@ -393,11 +428,19 @@ CsfTensor load_planes(const CsfEntry& e, const std::string& what, Get&& get) {
   const PlaneShape shape{g.format, g.rows, g.cols};
   const std::uint64_t slab = plane_slab_bytes(g.format, g.cols), slabs = g.rows / plane_slab_rows;
   const auto p = part_names(e.name);
-  const auto planes = get(p.planes, st::Dtype::U8, {std::uint64_t{g.experts} * slabs, slab});
-  const auto records = get(p.exceptions, st::Dtype::U32, {e.exceptions});
-  const auto counts_raw = get(p.expert_exceptions, st::Dtype::U32, {g.experts});
-  std::vector<std::uint32_t> counts(g.experts);
-  if (!counts.empty()) std::memcpy(counts.data(), counts_raw.data(), counts_raw.size());
+  const bool b12x = e.storage == CsfStorage::b12x;
+  if (b12x && g.experts != 1)
+    throw FormatError(fmt::format("{}: b12x planes hold one expert projection, the grid says {}", what,
+                                  g.experts));
+  const auto planes = get(b12x ? b12x_fixed_name(e.name, g.format) : p.planes, st::Dtype::U8,
+                          {std::uint64_t{g.experts} * slabs, slab});
+  const auto records =
+      get(b12x ? b12x_exceptions_name(e.name, g.format) : p.exceptions, st::Dtype::U32, {e.exceptions});
+  std::vector<std::uint32_t> counts(g.experts, static_cast<std::uint32_t>(e.exceptions));
+  if (!b12x) {
+    const auto counts_raw = get(p.expert_exceptions, st::Dtype::U32, {g.experts});
+    if (!counts.empty()) std::memcpy(counts.data(), counts_raw.data(), counts_raw.size());
+  }
   std::uint64_t total = 0;
   for (std::uint32_t c : counts) total += c;
   if (total != e.exceptions)
@@ -445,7 +488,7 @@ CsfTensor load_csf_parts(const st::File& c, const CsfEntry& e, const std::string
     return c.data(*ti);
   };
   const auto& g = t.geometry;
-  if (e.storage == CsfStorage::planes) return load_planes(e, what, get);
+  if (e.storage != CsfStorage::resident) return load_planes(e, what, get);
   auto fixed = get(p.fixed, st::Dtype::U8, {g.fixed_bytes()});
   auto exc = get(p.exceptions, st::Dtype::U32, {e.exceptions});
   auto rp = get(p.row_prefix, st::Dtype::U32, {g.total_rows() + 1});

@@ -30,15 +30,22 @@ enum class CsfStorage {
   // bases and codes, no padding) and the records, plus a record count per
   // expert; the resident form is derived at load without re-encoding.
   planes,
+  // One expert projection's planes under b12x / vLLM's own tensor names
+  // (`csf compress --schema b12x`): a file those loaders read as is.
+  b12x,
 };
 std::string_view to_string(CsfStorage s);
 
 // Part tensor names of a compressed tensor (resident: fixed, exceptions,
-// row_prefix, partition_index; planes: planes, exceptions, expert_exceptions).
+// row_prefix, partition_index; planes: planes, exceptions, expert_exceptions;
+// b12x: its format's b12x fixed and exceptions names).
 struct PartNames {
   std::string fixed, exceptions, row_prefix, partition_index, planes, expert_exceptions;
+  std::string b12x_nvfp4_fixed, b12x_nvfp4_exceptions, b12x_mxfp4_fixed, b12x_mxfp4_exceptions;
   std::vector<const std::string*> all() const {
-    return {&fixed, &exceptions, &row_prefix, &partition_index, &planes, &expert_exceptions};
+    return {&fixed,  &exceptions,        &row_prefix,       &partition_index,       &planes,
+            &expert_exceptions, &b12x_nvfp4_fixed, &b12x_nvfp4_exceptions, &b12x_mxfp4_fixed,
+            &b12x_mxfp4_exceptions};
   }
 };
 PartNames part_names(const std::string& tensor);
@@ -90,10 +97,12 @@ std::optional<ContainerInfo> get_container_metadata(const std::optional<st::Meta
 void write_csf_parts(st::Writer& w, const std::string& name, const CsfTensor& t);
 // Writes the three plane part tensors of CSF tensor `name`, one plane per expert.
 void write_csf_planes(st::Writer& w, const std::string& name, std::span<const CsfPlanes> experts);
+// Writes one expert projection's planes under the b12x names of `name`.
+void write_b12x_planes(st::Writer& w, const std::string& name, const CsfPlanes& planes);
 // Bytes those plane parts take in the file.
 std::uint64_t planes_stored_bytes(std::span<const CsfPlanes> experts);
 // The part tensor names a CSF tensor has with this storage, in file order.
-std::vector<std::string> stored_part_names(const std::string& tensor, CsfStorage storage);
+std::vector<std::string> stored_part_names(const std::string& tensor, CsfStorage storage, ScaleFormat format);
 // Bytes the parts of `e` take in container `c` (0 for a part that is missing).
 std::uint64_t stored_part_bytes(const st::File& c, const CsfEntry& e);
 

@@ -421,4 +421,11 @@ std::vector<CsfPlanes> csf_to_planes(const CsfTensor& tensor, std::string_view n
   return out;
 }
 
+std::string b12x_fixed_name(std::string_view scale, ScaleFormat format) {
+  return std::string(scale) + (format == ScaleFormat::nvfp4 ? ".nvfp4_csf_fixed" : ".mxfp4_csf_fixed");
+}
+std::string b12x_exceptions_name(std::string_view scale, ScaleFormat format) {
+  return std::string(scale) + (format == ScaleFormat::nvfp4 ? ".nvfp4_csf_exceptions" : ".mxfp4_csf_exceptions");
+}
+
 }  // namespace csfmoe

@@ -18,6 +18,7 @@
 #include "csfmoe/b12x_planes.hpp"
 #include "csfmoe/checkpoint.hpp"
 #include "csfmoe/codec.hpp"
+#include "csfmoe/errors.hpp"
 #include "csfmoe/moe.hpp"
 #include "csfmoe/safetensors.hpp"
 #include "csfmoe/synthetic.hpp"
@@ -77,7 +78,7 @@ TEST(ContainerV1, FilesOfTheFirstVersionStillVerifyRestoreAndLoad) {
     if (t.action != TensorAction::csf) continue;
     ++csf;
     std::uint64_t parts = 0;
-    for (const auto& n : detail::stored_part_names(t.name, detail::CsfStorage::resident))
+    for (const auto& n : detail::stored_part_names(t.name, detail::CsfStorage::resident, ScaleFormat::nvfp4))
       parts += f.find(n)->nbytes();
     EXPECT_EQ(t.stats.encoded_bytes, parts) << t.name;
     EXPECT_EQ(t.resident_bytes, parts) << t.name;
@@ -189,6 +190,75 @@ TEST(ContainerV2, OtherGridsKeepTheResidentStorage) {
     decompress_checkpoint(d.path / "c.safetensors", d.path / "back.safetensors");
     EXPECT_TRUE(read_bytes(d.path / "back.safetensors") == read_bytes(d.path / "m.safetensors"));
   }
+}
+
+// --schema b12x: every per-expert scale under b12x's own tensor names (even
+// where CSF does not pay), the scale itself absent, other tensors native;
+// planes that decode to the native grids on their own; byte-exact restore.
+TEST(ContainerB12x, PerExpertScalesUnderB12xNames) {
+  for (const char* fmt : {"nvfp4", "mxfp4"}) {
+    SCOPED_TRACE(fmt);
+    const fs::path native = kV1 / (std::string(fmt) + ".safetensors");
+    TempDir d;
+    CompressOptions o;
+    o.schema = CheckpointSchema::b12x;
+    const CheckpointReport rep = compress_checkpoint(native, d.path / "b.safetensors", o);
+    const auto src = st::File::open(native);
+    const auto out = st::File::open(d.path / "b.safetensors");
+    const ScaleFormat f = std::string(fmt) == "nvfp4" ? ScaleFormat::nvfp4 : ScaleFormat::mxfp4;
+    std::size_t scales = 0;
+    for (const auto& t : rep.tensors) {
+      if (!t.format) {
+        EXPECT_NE(out.find(t.name), nullptr) << t.name;
+        continue;
+      }
+      ++scales;
+      ASSERT_EQ(t.action, TensorAction::csf) << t.name << ": " << t.reason;
+      EXPECT_EQ(out.find(t.name), nullptr) << t.name;
+      const auto* fixed = out.find(b12x_fixed_name(t.name, f));
+      const auto* exc = out.find(b12x_exceptions_name(t.name, f));
+      ASSERT_TRUE(fixed && exc) << t.name;
+      const auto* orig = src.find(t.name);
+      const std::uint32_t R = static_cast<std::uint32_t>(orig->shape[0]),
+                          C = static_cast<std::uint32_t>(orig->shape[1]);
+      EXPECT_EQ(fixed->shape, (std::vector<std::uint64_t>{R / 16, plane_slab_bytes(f, C)}));
+      std::vector<std::uint32_t> recs(exc->nbytes() / 4);
+      if (!recs.empty()) std::memcpy(recs.data(), out.data(*exc).data(), exc->nbytes());
+      std::vector<std::uint8_t> grid(std::uint64_t{R} * C);
+      decode_planes(PlaneShape{f, R, C}, out.data(*fixed), recs, grid, t.name);
+      const auto want = src.data(*orig);
+      EXPECT_TRUE(std::equal(grid.begin(), grid.end(), want.begin())) << t.name;
+    }
+    EXPECT_EQ(scales, 6u);
+    decompress_checkpoint(d.path / "b.safetensors", d.path / "back.safetensors");
+    EXPECT_TRUE(read_bytes(d.path / "back.safetensors") == read_bytes(native));
+    verify_checkpoint(d.path / "b.safetensors");
+  }
+}
+
+TEST(ContainerB12x, StackedScalesAreRefused) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const GridShape g{ScaleFormat::nvfp4, ScaleLayout::row_major, 2, 64, 32};
+  const auto scales = synthetic_scales(g, ScaleDistribution::realistic, rng());
+  TempDir d;
+  {
+    st::Writer w(d.path / "m.safetensors", 1 << 16);
+    w.add_tensor("model.layers.0.mlp.experts.w13.weight", st::Dtype::U8, {2, 64, 256},
+                 std::vector<std::uint8_t>(2 * 64 * 256, 0x22));
+    w.add_tensor("model.layers.0.mlp.experts.w13.weight_scale", st::Dtype::F8_E4M3, {2, 64, 32}, scales);
+    w.commit(std::nullopt);
+  }
+  CompressOptions o;
+  o.schema = CheckpointSchema::b12x;
+  try {
+    compress_checkpoint(d.path / "m.safetensors", d.path / "b.safetensors", o);
+    ADD_FAILURE() << "stacked scales accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("w13.weight_scale"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("per expert"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(d.path / "b.safetensors"));
 }
 
 }  // namespace

@@ -35,6 +35,7 @@ struct CompressArgs {
   unsigned threads = 0;
   bool quiet = false;
   unsigned tp = 1, tp_rank = 0;  // compress only: tensor-parallel slice to store
+  std::string schema = "csfmoe";  // compress only: csfmoe | b12x
 };
 
 struct QuantizeArgs {

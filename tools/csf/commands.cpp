@@ -69,6 +69,7 @@ int run_compress(const CompressArgs& a) {
   CompressOptions o;
   o.tp = a.tp;
   o.tp_rank = a.tp_rank;
+  o.schema = a.schema == "b12x" ? CheckpointSchema::b12x : CheckpointSchema::csfmoe;
   o.threads = a.threads;
   o.layout = layout_arg(a.layout);
   ProgressPrinter progress("compress", a.quiet);
