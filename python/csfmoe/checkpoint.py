@@ -4,11 +4,8 @@ per-expert ModelOpt names)."""
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
 import re
-import struct
 from typing import Dict, List, Optional, Union
 
 import torch
@@ -70,64 +67,53 @@ def _typed(raw: torch.Tensor, dtype_name: str, shape, what: str) -> torch.Tensor
 
 
 def load_file(path, device: Union[str, torch.device] = "cpu", decode: bool = False,
-              layout: Optional[str] = None, names=None) -> Dict[str, Loaded]:
+              layout: Optional[str] = None, names=None, threads: int = 0) -> Dict[str, Loaded]:
     """Read a safetensors file (plain, or a csfmoe container) into a dict.
 
     Native tensors come back as torch tensors on `device`. Each CSF-compressed
-    scale tensor comes back as CsfScales on `device` (validated on the host
-    first, so device kernels can trust it) or, with decode=True, as its native
-    tensor (dtype and shape of the original; `layout` picks the decoded
-    layout, default the source layout). `names` limits what is read."""
+    scale tensor comes back as CsfScales on `device` or, with decode=True, as
+    its native tensor (dtype and shape of the original; `layout` picks the
+    decoded layout, default the source layout). `names` limits what is read.
+
+    The C++ reader does the reading and the checks (csfmoe/checkpoint_reader.hpp).
+    In a container every tensor returned is first checked against the CRC32
+    of the restore record: a native tensor over its stored bytes, a CSF tensor
+    by validating its parts and decoding them once on the host (`threads`
+    threads). A mismatch raises CorruptData, malformed parts FormatError, each
+    naming the file and the tensor. A plain safetensors file has no CRCs: it
+    is only checked structurally."""
     device = torch.device(device)
     path = os.fspath(path)
     f = _C.SafetensorsFile(path)
     entries = f.csf_entries() or {}
-    part_of = {}
-    for name, e in entries.items():
-        for p in e["parts"]:
-            part_of[p] = name
     wanted = None if names is None else set(names)
     out: Dict[str, Loaded] = {}
     for info in f.tensors():
         name = info["name"]
-        if name in part_of:
-            continue
         if wanted is not None and name not in wanted:
             continue
-        raw = f.bytes(name)
-        out[name] = _typed(_place(raw, device), info["dtype"], info["shape"], f"{path}: tensor '{name}'")
-    for name, e in entries.items():
-        if wanted is not None and name not in wanted:
-            continue
-        out[name] = _load_csf(f, path, name, e, device, decode, layout)
+        what = f"{path}: tensor '{name}'"
+        if name in entries:
+            out[name] = _load_csf(f, name, entries[name], device, decode, layout, threads, what)
+        else:
+            out[name] = _typed(_place(f.bytes(name), device), info["dtype"], info["shape"], what)
     return out
 
 
-def _load_csf(f, path: str, name: str, e: dict, device, decode: bool, layout):
-    experts, rows, cols = (int(x) for x in e["grid"])
-    host = []
-    for part, dt in zip(e["parts"], ("U8", "U32", "U32", "U32")):
-        raw = f.bytes(part)
-        if dt == "U32":
-            if raw.numel() % 4:
-                raise FormatError(f"{path}: tensor '{part}': {raw.numel()} bytes is not a whole number of U32")
-            raw = raw.clone().view(torch.int32)
-        host.append(raw)
-    what = f"{path}: tensor '{name}'"
-    try:
-        csf = CsfScales(*host, format=e["format"], layout=e["layout"], experts=experts, rows=rows, cols=cols,
-                        dtype=_DTYPE_BY_NAME.get(e["dtype"], torch.uint8), shape=tuple(e["shape"]))
-        csf.validate()
-    except (InvalidArgument, FormatError) as err:
-        raise FormatError(f"{what}: {err}") from err
-    if decode:
-        native = csf.decompress(layout)
+def _load_csf(f, name: str, e: dict, device, decode: bool, layout, threads: int, what: str):
+    shape = tuple(int(x) for x in e["shape"])
+    dtype = _DTYPE_BY_NAME.get(e["dtype"], torch.uint8)
+    if decode and (layout is None or layout == e["layout"]):
+        native = f.read(name, threads).view(dtype).reshape(shape)
         return native if device.type == "cpu" else native.to(device)
-    if device.type == "cpu":
-        # fixed still views the mapping: own it.
-        csf.fixed = csf.fixed.clone()
-        return csf
-    return csf.to(device)
+    experts, rows, cols = (int(x) for x in e["grid"])
+    parts = f.csf_parts(name, threads)
+    csf = CsfScales(*parts, format=e["format"], layout=e["layout"], experts=experts, rows=rows, cols=cols,
+                    dtype=dtype, shape=shape, validated=True, crc32=int(e["crc32"]), origin=what)
+    if decode:
+        native = csf.decompress(layout, threads)
+        return native if device.type == "cpu" else native.to(device)
+    return csf if device.type == "cpu" else csf.to(device)
 
 
 _ST_NAME = {}
@@ -137,13 +123,12 @@ for _k, _v in _TORCH_DTYPES.items():
 
 
 def save_file(tensors: Dict[str, Loaded], path, metadata: Optional[Dict[str, str]] = None) -> None:
-    """Write a plain safetensors file (overwriting `path`). CsfScales are
-    written as their native tensor (decoded on the CPU); `csf compress` /
-    compress_checkpoint makes a container of the result."""
-    header: Dict[str, object] = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    blobs, off = [], 0
+    """Write a plain safetensors file at `path`, which must not exist. CsfScales
+    are written as their native tensor (decoded on the CPU); `csf compress` /
+    compress_checkpoint makes a container of the result. The C++ writer
+    builds the file as a temporary beside `path` and renames it into place
+    when complete: a failed call leaves nothing behind."""
+    items = []
     for name, t in tensors.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
             raise InvalidArgument(f"save_file: {path}: invalid tensor name {name!r}")
@@ -155,43 +140,28 @@ def save_file(tensors: Dict[str, Loaded], path, metadata: Optional[Dict[str, str
         dt = _ST_NAME.get(t.dtype)
         if dt is None:
             raise InvalidArgument(f"save_file: {path}: tensor '{name}': dtype {t.dtype} has no safetensors name")
-        # Own, contiguous host bytes (clone: no storage offset, no aliasing).
-        b = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).clone()
-        header[name] = {"dtype": dt, "shape": [int(s) for s in t.shape], "data_offsets": [off, off + b.numel()]}
-        blobs.append(b)
-        off += b.numel()
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)  # data starts 8-byte aligned
-    with open(os.fspath(path), "wb") as fh:
-        fh.write(struct.pack("<Q", len(h)))
-        fh.write(h)
-        for b in blobs:
-            if b.numel():
-                fh.write(ctypes.string_at(b.data_ptr(), b.numel()))
-
-
-def _shard_files(folder: str) -> List[str]:
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, "rb") as fh:
-            weight_map = json.load(fh).get("weight_map", {})
-        shards = list(dict.fromkeys(weight_map.values()))
-        for s in shards:
-            if os.path.basename(s) != s or s in (".", ".."):
-                raise FormatError(f"{index}: shard name '{s}' is not a plain file name")
-        return [os.path.join(folder, s) for s in shards]
-    return sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))
+        # Contiguous host bytes (a view where the tensor allows it).
+        b = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        items.append((name, dt, [int(s) for s in t.shape], b))
+    md = None if metadata is None else {str(k): str(v) for k, v in metadata.items()}
+    _C.save_safetensors(os.fspath(path), items, md)
 
 
 def load_checkpoint(path, device: Union[str, torch.device] = "cpu", decode: bool = False,
-                    layout: Optional[str] = None, names=None) -> Dict[str, Loaded]:
-    """load_file over a file or a (sharded) checkpoint folder."""
+                    layout: Optional[str] = None, names=None, threads: int = 0) -> Dict[str, Loaded]:
+    """load_file over a file or a (sharded) checkpoint folder: the shards
+    that model.safetensors.index.json names, or else every *.safetensors
+    file in the folder. A tensor name found in two shards is a FormatError."""
     path = os.fspath(path)
-    if not os.path.isdir(path):
-        return load_file(path, device, decode, layout, names)
     out: Dict[str, Loaded] = {}
-    for shard in _shard_files(path):
-        out.update(load_file(shard, device, decode, layout, names))
+    where: Dict[str, str] = {}
+    for shard in _C.checkpoint_files(path):
+        shard = os.fspath(shard)
+        for name, t in load_file(shard, device, decode, layout, names, threads).items():
+            if name in where:
+                raise FormatError(f"{shard}: tensor '{name}' is also in {where[name]}")
+            where[name] = shard
+            out[name] = t
     return out
 
 

@@ -13,8 +13,8 @@
 #include <optional>
 #include <set>
 
-#include "checkpoint/container.hpp"
 #include "checkpoint/detect.hpp"
+#include "csfmoe/checkpoint_reader.hpp"
 #include "csfmoe/errors.hpp"
 #include "csfmoe/safetensors.hpp"
 
@@ -27,34 +27,19 @@ namespace {
 using Bytes = std::vector<std::uint8_t>;
 
 // One safetensors file seen through its logical (original) tensors: for a CSF
-// container, the tensors of the original file, scale tensors decoded from
-// their parts.
+// container, the tensors of the original file, read CRC-checked (scale
+// tensors decoded from their parts) by the library's one reader.
 struct SourceFile {
-  st::File file;
-  std::optional<ContainerInfo> info;
-  st::Header logical;
+  CheckpointFile file;
   ScaleLayout meta_layout = ScaleLayout::row_major;  // from "csfmoe.scale_layout", if any
   std::string label() const { return file.path().string(); }
 };
 
-// All logical tensors of a checkpoint (a file or every *.safetensors of a folder).
+// All logical tensors of a checkpoint (a file, or the shards of a folder).
 class Source {
  public:
   explicit Source(const fs::path& path) : path_(path) {
-    std::error_code ec;
-    if (!fs::exists(path, ec)) throw IoError(fmt::format("checkpoint {} does not exist", path.string()));
-    if (fs::is_directory(path, ec)) {
-      std::vector<std::string> names;
-      for (const auto& de : fs::directory_iterator(path))
-        if (de.path().filename().string().ends_with(".safetensors"))
-          names.push_back(de.path().filename().string());
-      std::sort(names.begin(), names.end());
-      if (names.empty())
-        throw InvalidArgument(fmt::format("checkpoint folder {} holds no .safetensors file", path.string()));
-      for (const auto& n : names) add(st::resolve_inside(path, n, path.string()));
-    } else {
-      add(path);
-    }
+    for (const auto& p : checkpoint_files(path)) add(p);
   }
 
   const fs::path& path() const { return path_; }
@@ -62,7 +47,7 @@ class Source {
 
   const st::TensorInfo* find(const std::string& name) const {
     auto it = by_name_.find(name);
-    return it == by_name_.end() ? nullptr : &files_[it->second.first].logical.tensors[it->second.second];
+    return it == by_name_.end() ? nullptr : &files_[it->second.first].file.tensors()[it->second.second];
   }
   // Names with this prefix, in order.
   std::vector<std::string> names_with_prefix(const std::string& prefix) const {
@@ -77,70 +62,18 @@ class Source {
   // Layout of a scale tensor's bytes as read().
   ScaleLayout layout_of(const std::string& name) const {
     const SourceFile& f = file_of(name);
-    if (f.info)
-      if (const CsfEntry* e = f.info->find(name)) return e->grid.layout;
+    if (const CsfEntryInfo* e = f.file.csf_entry(name)) return e->grid.layout;
     return f.meta_layout;
   }
 
   // The tensor's original bytes (decoded and CRC-checked for a container).
-  Bytes read(const std::string& name) const {
-    const SourceFile& f = file_of(name);
-    const st::TensorInfo& t = *find(name);
-    if (!f.info) {
-      const auto d = f.file.data(t);
-      return Bytes(d.begin(), d.end());
-    }
-    Bytes buf;
-    std::uint32_t want = 0;
-    if (const CsfEntry* e = f.info->find(name)) {
-      const CsfTensor enc = load_csf_parts(f.file, *e, f.label());
-      if (enc.source_bytes() != t.nbytes())
-        throw FormatError(fmt::format("{}: tensor '{}': CSF grid of {} bytes for a tensor of {}", f.label(),
-                                      name, enc.source_bytes(), t.nbytes()));
-      buf.resize(t.nbytes());
-      decode(enc, e->grid.layout, buf, {}, /*trusted=*/true);
-      want = e->crc32;
-    } else {
-      const st::TensorInfo* ct = f.file.find(name);
-      if (!ct || ct->dtype != t.dtype || ct->shape != t.shape)
-        throw FormatError(fmt::format("{}: tensor '{}' of the original header is {} in the container",
-                                      f.label(), name, ct ? "different" : "missing"));
-      auto it = f.info->native_crc32.find(name);
-      if (it == f.info->native_crc32.end())
-        throw FormatError(fmt::format("{}: tensor '{}': no CRC32 in the restore record", f.label(), name));
-      const auto d = f.file.data(*ct);
-      buf.assign(d.begin(), d.end());
-      want = it->second;
-    }
-    const std::uint32_t got = crc_of(buf);
-    if (got != want)
-      throw CorruptData(
-          fmt::format("{}: tensor '{}': CRC32 is {:08x}, expected {:08x}", f.label(), name, got, want));
-    return buf;
-  }
+  Bytes read(const std::string& name) const { return file_of(name).file.read(name); }
 
  private:
   void add(const fs::path& p) {
-    SourceFile s{st::File::open(p), std::nullopt, {}, ScaleLayout::row_major};
+    SourceFile s{CheckpointFile::open(p), ScaleLayout::row_major};
     const std::string label = s.label();
-    s.info = get_container_metadata(s.file.header().metadata, label);
-    if (s.info) {
-      const std::string& h = s.info->original_header;
-      if (8 + h.size() > s.info->original_file_size)
-        throw FormatError(fmt::format("{}: original header ({} bytes) does not fit the original file size {}",
-                                      label, h.size(), s.info->original_file_size));
-      s.logical =
-          st::parse_header(h, s.info->original_file_size - 8 - h.size(), label + " (original header)");
-      for (const auto& e : s.info->csf) {
-        const st::TensorInfo* t = s.logical.find(e.name);
-        if (!t || t->dtype != e.dtype || t->shape != e.shape)
-          throw FormatError(fmt::format(
-              "{}: tensor '{}': the CSF descriptor disagrees with the original header", label, e.name));
-      }
-    } else {
-      s.logical = s.file.header();
-    }
-    if (const auto& md = s.file.header().metadata)
+    if (const auto& md = s.file.metadata())
       if (auto it = md->find("csfmoe.scale_layout"); it != md->end()) {
         try {
           s.meta_layout = parse_scale_layout(it->second);
@@ -150,7 +83,7 @@ class Source {
       }
     files_.push_back(std::move(s));
     const std::size_t fi = files_.size() - 1;
-    const auto& tensors = files_[fi].logical.tensors;
+    const auto& tensors = files_[fi].file.tensors();
     for (std::size_t ti = 0; ti < tensors.size(); ++ti) {
       const auto& t = tensors[ti];
       auto [it, fresh] = by_name_.emplace(t.name, std::pair{fi, ti});
@@ -193,10 +126,9 @@ std::vector<std::string> layers_of(const Source& src) {
   std::set<std::string> keys;
   for (const auto& f : src.files()) {
     std::set<ScaleLayout> layouts = {f.meta_layout};
-    if (f.info)
-      for (const auto& e : f.info->csf) layouts.insert(e.grid.layout);
+    for (const auto& e : f.file.csf_entries()) layouts.insert(e.grid.layout);
     for (ScaleLayout l : layouts)
-      for (const auto& c : detect_scales(f.logical, l, f.label()).scales)
+      for (const auto& c : detect_scales(f.file.header(), l, f.label()).scales)
         if (!c.layer.empty()) keys.insert(c.layer);
   }
   std::vector<std::string> out(keys.begin(), keys.end());
