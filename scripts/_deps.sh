@@ -30,6 +30,24 @@ csfmoe_build() {
   cmake --build "$build" -j "$(nproc)" "$@"
 }
 
+# csfmoe_build with its output in $build/build.log and one summary line on
+# stderr (the log's last lines on failure): for scripts a new user runs first.
+csfmoe_build_quiet() {
+  local root=$1
+  local build=${CSFMOE_BUILD_DIR:-$root/build}
+  local log=$build/build.log t0=$SECONDS
+  mkdir -p "$build"
+  echo "csfmoe: building in $build (Release; log: $log) ..." >&2
+  if ! csfmoe_build "$@" >"$log" 2>&1; then
+    echo "csfmoe: build failed; the end of $log:" >&2
+    tail -n 40 "$log" >&2
+    return 1
+  fi
+  local cuda="without CUDA kernels (no nvcc)"
+  grep -q "CUDA kernels ON" "$log" 2>/dev/null && cuda="with CUDA kernels"
+  echo "csfmoe: built in $((SECONDS - t0)) s, $cuda" >&2
+}
+
 # Device machine (no package registry): when a header the build needs is
 # missing, unpacks the .deb files carried in $1/.devdeps (scripts/stage-device)
 # into /tmp/csfmoe-deps and points CMake and the loader at them. Says what it

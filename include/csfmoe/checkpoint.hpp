@@ -8,6 +8,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "csfmoe/codec.hpp"
@@ -24,11 +25,18 @@ struct Progress {
 };
 using ProgressFn = std::function<void(const Progress&)>;
 
+// The __metadata__ key that names the layout of a file's scale tensors
+// ("row_major" or "swizzled_128x4"); `csf synth` writes it.
+inline constexpr std::string_view kScaleLayoutKey = "csfmoe.scale_layout";
+
 struct CompressOptions {
-  unsigned threads = 0;                         // 0: all hardware threads
-  ScaleLayout layout = ScaleLayout::row_major;  // how scale tensors are laid out in the source
-  bool keep_unprofitable = true;                // keep a tensor native when CSF would be larger
-  ProgressFn progress;                          // optional
+  unsigned threads = 0;  // 0: all hardware threads
+  // How the source's scale tensors are laid out. Unset: each file's
+  // kScaleLayoutKey tag, else row_major. Set: a file whose tag says
+  // otherwise is refused (InvalidArgument naming the file).
+  std::optional<ScaleLayout> layout;
+  bool keep_unprofitable = true;  // keep a tensor native when CSF would be larger
+  ProgressFn progress;            // optional
   // compress only: tensor-parallel slice to store (tp > 1): MoE expert
   // projections are cut along N for rank tp_rank before encoding; the output
   // records tp/rank and decompresses to the sliced native file (see
@@ -77,12 +85,18 @@ CheckpointReport compress_checkpoint(const std::filesystem::path& in, const std:
 void decompress_checkpoint(const std::filesystem::path& in, const std::filesystem::path& out,
                            const CompressOptions& options = {});
 
-// Decodes every CSF tensor and checks its CRC32 against the stored one;
-// throws CorruptData naming file and tensor on the first mismatch.
+// Decodes every CSF tensor and checks its CRC32 against the stored one (and
+// every tensor kept native against its CRC); throws CorruptData naming file
+// and tensor on the first mismatch, and FormatError when `in` holds no CSF
+// container at all. In a folder, the tensors of files that are not
+// containers are listed as passthrough with reason kNotAContainer, unchecked.
+inline constexpr std::string_view kNotAContainer = "not a CSF container: not checked";
 CheckpointReport verify_checkpoint(const std::filesystem::path& in, const CompressOptions& options = {});
 
 // Statistics for a native or compressed checkpoint. For a native one the
-// stats say what CSF would give; nothing is written.
+// stats say what CSF would give; nothing is written. For a container, every
+// CSF tensor is decoded and CRC-checked (CorruptData on a mismatch); the
+// other tensors are not read (verify_checkpoint reads them).
 CheckpointReport inspect_checkpoint(const std::filesystem::path& in, const CompressOptions& options = {});
 
 // True if the file at path is a csfmoe-compressed safetensors file.

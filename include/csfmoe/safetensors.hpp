@@ -46,6 +46,8 @@ std::size_t dtype_size(Dtype d) noexcept;
 
 // Headers larger than this are refused (the reference implementation uses the same cap).
 inline constexpr std::uint64_t kMaxHeaderBytes = 100'000'000;
+// Largest data section Writer::commit moves to drop unused header space.
+inline constexpr std::uint64_t kHeaderMoveLimit = std::uint64_t(256) << 20;
 
 struct TensorInfo {
   std::string name;
@@ -115,11 +117,11 @@ class File {
 
 // The temporary `.<name>.tmp-<pid>` (this process's pid) beside `dest`, where
 // a writer builds `dest` before renaming it into place. First it removes what
-// killed writers left there: every other `.<name>.tmp-<N>` in that folder
-// (N decimal, as written here) whose process no longer exists, i.e.
-// kill(N, 0) fails with ESRCH. A temporary whose owner is alive (a concurrent
-// writer, or EPERM: another user's process) is left alone, as is this pid's
-// own name, anything of another name, and anything that is not a regular file
+// killed writers left there: every `.<any name>.tmp-<N>` in that folder (N
+// decimal, as written here; any output's, not only dest's) whose process no
+// longer exists, i.e. kill(N, 0) fails with ESRCH. A temporary whose owner is
+// alive (a concurrent writer, or EPERM: another user's process) is left
+// alone, as is this pid's own, anything named otherwise, and anything that is not a regular file
 // or a folder (a symlink named like a temporary is neither followed nor
 // removed). A stale folder is first renamed to `.<name>.tmp-<N>.stale` (also
 // swept, by the same rule), then emptied through file descriptors without
@@ -147,6 +149,11 @@ class AtomicFile {
   void pwrite(std::uint64_t offset, std::span<const std::uint8_t> bytes);  // unbuffered, at an offset
   void seek(std::uint64_t offset);                                         // next write() position
   std::uint64_t position() const { return pos_; }
+  // Cuts the first `bytes` bytes of the written file (the caller rewrites
+  // what stays in front): block-aligned parts by collapsing the range where
+  // the file system can, the rest by moving the file down when at most
+  // `move_limit` bytes would move. Returns how many bytes it cut.
+  std::uint64_t remove_front(std::uint64_t bytes, std::uint64_t move_limit);
   void commit();
 
   const std::filesystem::path& destination() const { return dest_; }
@@ -154,6 +161,8 @@ class AtomicFile {
 
  private:
   void flush();
+  // The message of a failed write: errno, and the folder's other temporaries.
+  std::string write_failure() const;
   std::filesystem::path dest_, tmp_;
   int fd_ = -1;
   std::uint64_t pos_ = 0;
@@ -162,8 +171,11 @@ class AtomicFile {
 };
 
 // Streams a safetensors file: the header is written last into `header_reserve`
-// bytes left at the start (JSON padded with spaces so that the data section
-// starts 8-byte aligned), tensor data are appended in call order, contiguous.
+// bytes left at the start, tensor data are appended in call order, contiguous.
+// commit cuts the reservation down to the header's real size (JSON padded
+// with spaces to 8-byte alignment) by a range collapse where the file system
+// has one, else by moving the data down when they are at most
+// kHeaderMoveLimit bytes; otherwise the unused reservation stays as spaces.
 class Writer {
  public:
   Writer(std::filesystem::path dest, std::uint64_t header_reserve);

@@ -44,9 +44,11 @@ def is_csf_container(path) -> bool:
     return bool(_C.is_csf_container(os.fspath(path)))
 
 
-def compress_checkpoint(src, dst, layout: str = "row_major", threads: int = 0):
+def compress_checkpoint(src, dst, layout: str = "", threads: int = 0):
     """csf compress: writes a container (file or folder) at dst; returns
-    (scale source bytes, scale stored bytes)."""
+    (scale source bytes, scale stored bytes). layout "" takes each file's
+    csfmoe.scale_layout tag (else row_major); a layout that contradicts the
+    tag is an error."""
     return tuple(_C.compress_checkpoint(os.fspath(src), os.fspath(dst), layout, threads))
 
 

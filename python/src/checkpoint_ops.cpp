@@ -206,13 +206,13 @@ void bind_checkpoint(nb::module_& m) {
       [](const std::filesystem::path& in, const std::filesystem::path& out, const std::string& layout,
          unsigned threads) {
         CompressOptions o;
-        o.layout = layout_arg(layout);
+        if (!layout.empty()) o.layout = layout_arg(layout);  // else each file's own tag
         o.threads = threads;
         nb::gil_scoped_release nogil;
         const CheckpointReport r = compress_checkpoint(in, out, o);
         return std::make_pair(r.scale_source_bytes, r.scale_stored_bytes);
       },
-      nb::arg("src"), nb::arg("dst"), nb::arg("layout") = "row_major", nb::arg("threads") = 0);
+      nb::arg("src"), nb::arg("dst"), nb::arg("layout") = "", nb::arg("threads") = 0);
 }
 
 }  // namespace csfmoe::py

@@ -130,7 +130,7 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
                          CheckpointReport& rep, bool write) {
   const std::string label = src.path().string();
   const CompressOptions& opt = job.opt;
-  const Detection det = detect_scales(src.header(), opt.layout, label);
+  const Detection det = detect_scales(src.header(), source_layout(src.header(), opt.layout, label), label);
   const auto order = data_order(src.header());
 
   // Candidates whose part names would collide with a tensor of the file stay native.
@@ -248,6 +248,21 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
   return result;
 }
 
+// Decodes a stored CSF tensor and checks it against its descriptor's size and CRC32.
+std::vector<std::uint8_t> decode_checked(const CsfTensor& enc, const CsfEntry& e, const st::TensorInfo& t,
+                                         const std::string& label, const CodecOptions& copts) {
+  if (enc.source_bytes() != t.nbytes())
+    throw FormatError(fmt::format("{}: tensor '{}': grid of {} bytes for a tensor of {}", label, t.name,
+                                  enc.source_bytes(), t.nbytes()));
+  std::vector<std::uint8_t> buf(t.nbytes());
+  decode(enc, e.grid.layout, buf, copts, /*trusted=*/true);
+  const std::uint32_t c32 = crc_of(buf);
+  if (c32 != e.crc32)
+    throw CorruptData(fmt::format("{}: tensor '{}': CRC32 of the decoded tensor is {:08x}, expected {:08x}",
+                                  label, t.name, c32, e.crc32));
+  return buf;
+}
+
 struct OpenContainer {
   st::File file;
   ContainerInfo info;
@@ -322,16 +337,8 @@ void restore_file(const st::File& c, const ContainerInfo& info, st::AtomicFile* 
     std::uint32_t c32 = 0;
     if (const CsfEntry* e = info.find(t->name)) {
       CsfTensor enc = load_csf_parts(c, *e, label);
-      if (enc.source_bytes() != t->nbytes())
-        throw FormatError(fmt::format("{}: tensor '{}': grid of {} bytes for a tensor of {}", label, t->name,
-                                      enc.source_bytes(), t->nbytes()));
-      std::vector<std::uint8_t> buf(t->nbytes());
-      decode(enc, e->grid.layout, buf, copts, /*trusted=*/true);
-      c32 = crc_of(buf);
-      if (c32 != e->crc32)
-        throw CorruptData(
-            fmt::format("{}: tensor '{}': CRC32 of the decoded tensor is {:08x}, expected {:08x}", label,
-                        t->name, c32, e->crc32));
+      const std::vector<std::uint8_t> buf = decode_checked(enc, *e, *t, label, copts);
+      c32 = e->crc32;
       if (out) out->write(buf);
       tr.action = TensorAction::csf;
       tr.format = e->grid.format;
@@ -489,6 +496,8 @@ Folder open_folder(const fs::path& in) {
       f.others.push_back(n);
     }
   }
+  if (f.files.empty())
+    throw InvalidArgument(fmt::format("{}: the folder holds no .safetensors file", in.string()));
   return f;
 }
 
@@ -681,22 +690,34 @@ CheckpointReport verify_checkpoint(const fs::path& in, const CompressOptions& op
     } else {
       for (const auto& t : file.tensors()) {
         TensorReport tr = base_report(n, t);
+        tr.reason = kNotAContainer;
         add_totals(rep, tr, t.nbytes(), t.nbytes());
         rep.tensors.push_back(std::move(tr));
       }
     }
   };
+  const auto not_csf = [&] {
+    return FormatError(
+        fmt::format("{} is not a CSF container: nothing to verify (csf inspect describes a "
+                    "native checkpoint)",
+                    in.string()));
+  };
   if (!fs::is_directory(in)) {
     st::File c = st::File::open(in);
-    if (auto info = container_info(c)) job.total = original_data_bytes(*info);
+    auto info = container_info(c);
+    if (!info) throw not_csf();
+    job.total = original_data_bytes(*info);
     one(c, in.filename().string());
     return rep;
   }
   Folder f = open_folder(in);
+  bool any_container = false;
   for (const auto& [n, file] : f.files) {
     auto info = container_info(file);
     job.total += info ? original_data_bytes(*info) : 0;
+    any_container = any_container || info.has_value();
   }
+  if (!any_container) throw not_csf();
   for (const auto& [n, file] : f.files) one(file, n);
   if (f.index) {
     const std::string label = (in / st::kIndexFileName).string();
@@ -720,6 +741,7 @@ CheckpointReport inspect_checkpoint(const fs::path& in, const CompressOptions& o
         std::uint64_t stored = t->nbytes();
         if (const CsfEntry* e = info->find(t->name)) {
           CsfTensor enc = load_csf_parts(file, *e, label);
+          (void)decode_checked(enc, *e, *t, label, codec_options(options));
           tr.action = TensorAction::csf;
           tr.format = e->grid.format;
           tr.layer = e->layer;

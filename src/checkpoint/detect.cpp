@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include "csfmoe/checkpoint.hpp"
 #include "csfmoe/errors.hpp"
 
 namespace csfmoe::detail {
@@ -33,6 +34,24 @@ std::optional<ScaleFormat> match_grid(std::uint64_t rs, std::uint64_t cs, std::u
 }
 
 }  // namespace
+
+ScaleLayout source_layout(const st::Header& header, std::optional<ScaleLayout> requested,
+                          const std::string& label) {
+  std::optional<ScaleLayout> tagged;
+  if (header.metadata)
+    if (auto it = header.metadata->find(std::string(kScaleLayoutKey)); it != header.metadata->end()) {
+      try {
+        tagged = parse_scale_layout(it->second);
+      } catch (const InvalidArgument& e) {
+        throw FormatError(fmt::format("{}: __metadata__ '{}': {}", label, kScaleLayoutKey, e.what()));
+      }
+    }
+  if (tagged && requested && *tagged != *requested)
+    throw InvalidArgument(
+        fmt::format("{}: the file says its scales are {} (__metadata__ '{}'), but {} was asked for", label,
+                    to_string(*tagged), kScaleLayoutKey, to_string(*requested)));
+  return tagged.value_or(requested.value_or(ScaleLayout::row_major));
+}
 
 const ScaleCandidate* Detection::find(std::string_view name) const {
   for (const auto& s : scales)

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -31,6 +32,13 @@ struct Detection {
 // tensors. Leading dimensions are stacked experts. A scale whose shape proves
 // its format but whose dtype is wrong throws FormatError naming `label` and the tensor.
 Detection detect_scales(const st::Header& header, ScaleLayout layout, const std::string& label);
+
+// The layout of a file's scale tensors: its __metadata__ kScaleLayoutKey tag
+// if present, else `requested`, else row_major. A request that contradicts
+// the tag, or a tag that names no layout, throws (InvalidArgument /
+// FormatError) naming `label`.
+ScaleLayout source_layout(const st::Header& header, std::optional<ScaleLayout> requested,
+                          const std::string& label);
 
 // "model.layers.3.mlp.experts.17.w1.weight_scale" -> "model.layers.3.mlp.experts"; "" if not an expert
 // tensor.

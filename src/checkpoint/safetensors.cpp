@@ -4,6 +4,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -188,9 +189,13 @@ Header parse_header(std::string_view json, std::uint64_t data_size, const std::s
       throw FormatError(fmt::format("{}: data_offsets [{}, {}] past the end of the data section ({} bytes)",
                                     what, t.begin, t.end, data_size));
     std::uint64_t want = 0;
-    if (mul_overflows(elems, dtype_size(t.dtype), want) || want != t.nbytes())
-      throw FormatError(fmt::format("{}: {} bytes in data_offsets but shape x {} needs {}", what, t.nbytes(),
-                                    to_string(t.dtype), elems * dtype_size(t.dtype)));
+    if (mul_overflows(elems, dtype_size(t.dtype), want))
+      throw FormatError(
+          fmt::format("{}: shape {} x {} overflows a 64-bit byte count ({} bytes in data_offsets)", what,
+                      fmt::join(t.shape, "x"), to_string(t.dtype), t.nbytes()));
+    if (want != t.nbytes())
+      throw FormatError(fmt::format("{}: {} bytes in data_offsets but shape {} x {} needs {}", what,
+                                    t.nbytes(), fmt::join(t.shape, "x"), to_string(t.dtype), want));
     h.tensors.push_back(std::move(t));
   }
 
@@ -370,13 +375,16 @@ fs::path prepare_temporary(const fs::path& dest) {
   const pid_t self = ::getpid();
   // Best effort: if the folder cannot be read, the writer's own create reports why.
   if (const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); fd >= 0) {
-    const std::string prefix = "." + name + ".tmp-";
+    // Every ".<name>.tmp-<pid>" of the folder, not only this output's: a
+    // killed run's temporary can be gigabytes.
+    constexpr std::string_view kTmp = ".tmp-";
     std::vector<std::string> stale;
     if (DIR* d = ::fdopendir(::dup(fd))) {
       while (const dirent* e = ::readdir(d)) {
         std::string_view n = e->d_name;
-        if (!n.starts_with(prefix)) continue;
-        n.remove_prefix(prefix.size());
+        const auto at = n.rfind(kTmp);
+        if (!n.starts_with('.') || at == std::string_view::npos || at < 2) continue;
+        n.remove_prefix(at + kTmp.size());
         if (n.ends_with(kStale)) n.remove_suffix(kStale.size());
         const pid_t pid = parse_pid(n);
         // Only ESRCH means gone; EPERM is a live process of another user.
@@ -392,7 +400,7 @@ fs::path prepare_temporary(const fs::path& dest) {
 
 AtomicFile::AtomicFile(fs::path dest) : dest_(std::move(dest)) {
   tmp_ = prepare_temporary(dest_);
-  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  fd_ = ::open(tmp_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd_ < 0)
     throw IoError(fmt::format("{}: cannot create temporary file: {}", tmp_.string(), errno_text()));
   buf_.reserve(kWriteBuffer);
@@ -403,6 +411,27 @@ AtomicFile::~AtomicFile() {
   if (!committed_) ::unlink(tmp_.c_str());
 }
 
+std::string AtomicFile::write_failure() const {
+  const std::string why = errno_text();
+  std::string msg =
+      fmt::format("{}: write failed (temporary {}, removed): {}", dest_.string(), tmp_.string(), why);
+  // Other runs' temporaries in the folder may be what filled it.
+  fs::path dir = tmp_.parent_path();
+  if (dir.empty()) dir = ".";
+  std::error_code ec;
+  std::vector<std::string> others;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    if (n.starts_with('.') && n.find(".tmp-") != std::string::npos && it->path() != tmp_) others.push_back(n);
+  }
+  if (!others.empty())
+    msg += fmt::format(
+        "; other temporaries in {} (runs still going, or left by a run killed outright: remove "
+        "them if no csf run is writing there): {}",
+        dir.string(), fmt::join(others, ", "));
+  return msg;
+}
+
 void AtomicFile::flush() {
   std::size_t done = 0;
   while (done < buf_.size()) {
@@ -410,8 +439,7 @@ void AtomicFile::flush() {
     const ssize_t w = ::pwrite(fd_, buf_.data() + done, buf_.size() - done, off);
     if (w < 0) {
       if (errno == EINTR) continue;
-      throw IoError(
-          fmt::format("{}: write failed (temporary {}): {}", dest_.string(), tmp_.string(), errno_text()));
+      throw IoError(write_failure());
     }
     done += static_cast<std::size_t>(w);
   }
@@ -429,8 +457,7 @@ void AtomicFile::write(std::span<const std::uint8_t> bytes) {
           ::pwrite(fd_, bytes.data() + done, bytes.size() - done, static_cast<off_t>(at + done));
       if (w < 0) {
         if (errno == EINTR) continue;
-        throw IoError(
-            fmt::format("{}: write failed (temporary {}): {}", dest_.string(), tmp_.string(), errno_text()));
+        throw IoError(write_failure());
       }
       done += static_cast<std::size_t>(w);
     }
@@ -458,11 +485,51 @@ void AtomicFile::pwrite(std::uint64_t offset, std::span<const std::uint8_t> byte
         ::pwrite(fd_, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + done));
     if (w < 0) {
       if (errno == EINTR) continue;
-      throw IoError(
-          fmt::format("{}: write failed (temporary {}): {}", dest_.string(), tmp_.string(), errno_text()));
+      throw IoError(write_failure());
     }
     done += static_cast<std::size_t>(w);
   }
+}
+
+std::uint64_t AtomicFile::remove_front(std::uint64_t bytes, std::uint64_t move_limit) {
+  flush();
+  struct stat st {};
+  if (bytes == 0 || ::fstat(fd_, &st) != 0) return 0;
+  std::uint64_t size = static_cast<std::uint64_t>(st.st_size);
+  if (size <= bytes) {  // nothing written after the cut range
+    if (::ftruncate(fd_, 0) != 0) return 0;
+    pos_ = 0;
+    return bytes;
+  }
+  std::uint64_t removed = 0;
+  if (st.st_blksize > 0) {
+    const std::uint64_t block = static_cast<std::uint64_t>(st.st_blksize);
+    const std::uint64_t whole = bytes / block * block;
+    if (whole > 0 && ::fallocate(fd_, FALLOC_FL_COLLAPSE_RANGE, 0, static_cast<off_t>(whole)) == 0) {
+      removed = whole;
+      size -= whole;
+    }
+  }
+  pos_ = size;
+  const std::uint64_t rest = bytes - removed;
+  if (rest == 0 || size - rest > move_limit) return removed;
+  std::vector<std::uint8_t> chunk(
+      static_cast<std::size_t>(std::min<std::uint64_t>(size - rest, kWriteBuffer)));
+  for (std::uint64_t from = rest; from < size;) {
+    const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(chunk.size(), size - from));
+    const ssize_t r = ::pread(fd_, chunk.data(), want, static_cast<off_t>(from));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0)
+      throw IoError(fmt::format("{}: cannot read back the temporary {}: {}", dest_.string(), tmp_.string(),
+                                r < 0 ? errno_text() : std::string("unexpected end of file")));
+    pwrite(from - rest, std::span<const std::uint8_t>(chunk.data(), static_cast<std::size_t>(r)));
+    from += static_cast<std::uint64_t>(r);
+  }
+  if (::ftruncate(fd_, static_cast<off_t>(size - rest)) != 0)
+    throw IoError(
+        fmt::format("{}: cannot truncate the temporary {}: {}", dest_.string(), tmp_.string(), errno_text()));
+  pos_ = size - rest;
+  return bytes;
 }
 
 void AtomicFile::commit() {
@@ -571,10 +638,14 @@ void Writer::commit(const std::optional<Metadata>& metadata) {
   if (n > kMaxHeaderBytes)
     throw Unsupported(fmt::format("{}: header of {} bytes exceeds the safetensors limit of {}",
                                   file_.destination().string(), n, kMaxHeaderBytes));
-  json.resize(n, ' ');  // trailing spaces: allowed by safetensors, keeps data 8-byte aligned
-  std::vector<std::uint8_t> head(reserve_);
-  std::memcpy(head.data(), &n, 8);
-  std::memcpy(head.data() + 8, json.data(), n);
+  const std::uint64_t needed = 8 + (json.size() + 7) / 8 * 8;
+  const std::uint64_t cut = file_.remove_front(reserve_ - needed, kHeaderMoveLimit);
+  const std::uint64_t head_bytes = reserve_ - cut;
+  const std::uint64_t padded = head_bytes - 8;
+  json.resize(padded, ' ');  // trailing spaces: allowed by safetensors, keeps data 8-byte aligned
+  std::vector<std::uint8_t> head(head_bytes);
+  std::memcpy(head.data(), &padded, 8);
+  std::memcpy(head.data() + 8, json.data(), padded);
   file_.pwrite(0, head);
   file_.commit();
 }

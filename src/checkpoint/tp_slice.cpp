@@ -27,12 +27,12 @@ struct Sliced {
 
 class FileSlicer {
  public:
-  FileSlicer(const st::File& f, unsigned tp, unsigned rank, ScaleLayout layout)
+  FileSlicer(const st::File& f, unsigned tp, unsigned rank, std::optional<ScaleLayout> layout)
       : f_(f),
         tp_(tp),
         rank_(rank),
         label_(f.path().string()),
-        det_(detect_scales(f.header(), layout, label_)) {
+        det_(detect_scales(f.header(), source_layout(f.header(), layout, label_), label_)) {
     for (const auto& c : det_.scales) by_companion_[c.companion] = &c;
   }
 
@@ -145,7 +145,7 @@ class FileSlicer {
 }  // namespace
 
 void slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsigned tp, unsigned rank,
-                         ScaleLayout layout) {
+                         std::optional<ScaleLayout> layout) {
   if (tp == 0) throw InvalidArgument("--tp must be at least 1");
   if (rank >= tp) throw InvalidArgument(fmt::format("--rank {} is not below --tp {}", rank, tp));
   if (!fs::is_directory(in)) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <filesystem>
+#include <optional>
 
 #include "csfmoe/formats.hpp"
 
@@ -15,10 +16,10 @@ inline constexpr const char* kTpRankKey = "csfmoe.tp_rank";
 // Writes rank `rank`'s TP slice of `in` (a safetensors file or a checkpoint
 // folder) to `out` (which must not exist): expert projections are sliced
 // along N (gate/up rows, down columns), block scales along their true axes
-// in `layout`, every other tensor and file is copied unchanged. Throws
+// in each file's layout (source_layout), every other tensor and file is copied unchanged. Throws
 // InvalidArgument for bad tp/rank or a split that does not divide, and
 // Unsupported for an expert projection tensor whose split axis is unknown.
 void slice_checkpoint_tp(const std::filesystem::path& in, const std::filesystem::path& out, unsigned tp,
-                         unsigned rank, ScaleLayout layout);
+                         unsigned rank, std::optional<ScaleLayout> layout);
 
 }  // namespace csfmoe::detail

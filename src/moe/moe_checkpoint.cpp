@@ -14,6 +14,7 @@
 #include <set>
 
 #include "checkpoint/detect.hpp"
+#include "csfmoe/checkpoint.hpp"
 #include "csfmoe/checkpoint_reader.hpp"
 #include "csfmoe/errors.hpp"
 #include "csfmoe/safetensors.hpp"
@@ -73,14 +74,11 @@ class Source {
   void add(const fs::path& p) {
     SourceFile s{CheckpointFile::open(p), ScaleLayout::row_major};
     const std::string label = s.label();
-    if (const auto& md = s.file.metadata())
-      if (auto it = md->find("csfmoe.scale_layout"); it != md->end()) {
-        try {
-          s.meta_layout = parse_scale_layout(it->second);
-        } catch (const InvalidArgument& e) {
-          throw FormatError(fmt::format("{}: __metadata__ 'csfmoe.scale_layout': {}", label, e.what()));
-        }
-      }
+    if (const auto& md = s.file.metadata(); md && md->count(std::string(kScaleLayoutKey))) {
+      st::Header tags;  // the container's own __metadata__, as compress reads it
+      tags.metadata = md;
+      s.meta_layout = source_layout(tags, std::nullopt, label);
+    }
     files_.push_back(std::move(s));
     const std::size_t fi = files_.size() - 1;
     const auto& tensors = files_[fi].file.tensors();
@@ -245,6 +243,15 @@ class LayerReader {
     return v;
   }
 
+  // Activation scales: the W4A16 kernels do not apply them, but one that is
+  // damaged (CRC) or not a positive finite F32 means a damaged checkpoint.
+  void check_input_scale(const std::string& name, std::uint64_t experts, bool stacked) const {
+    if (!s_.find(name)) return;
+    const std::vector<float> v = globals(name, experts, stacked);
+    for (std::size_t i = 0; i < v.size(); ++i)
+      if (!(v[i] > 0.0f)) fail(name, fmt::format("input scale [{}] is {}; must be positive", i, v[i]));
+  }
+
   // MXFP4 carries no global scale; refuse one instead of silently dropping it.
   void no_global(const std::string& name) const {
     if (s_.find(name))
@@ -340,6 +347,8 @@ MoeHostWeights load_moe_layer(const fs::path& checkpoint, std::string_view layer
     if (w.format == ScaleFormat::nvfp4) {
       w.w13_global = rd.globals(L + ".w13.weight_scale_2", E, true);
       w.w2_global = rd.globals(L + ".w2.weight_scale_2", E, true);
+      rd.check_input_scale(L + ".w13.input_scale", E, true);
+      rd.check_input_scale(L + ".w2.input_scale", E, true);
     } else {
       if (!oss) {
         rd.no_global(L + ".w13.weight_scale_2");
@@ -405,6 +414,8 @@ MoeHostWeights load_moe_layer(const fs::path& checkpoint, std::string_view layer
               path, L, ng, gg, nu, ug));
         w.w13_global.push_back(gg);
         w.w2_global.push_back(rd.globals(nd + "_scale_2", 1, false)[0]);
+        for (const char* proj : {pn.gate, pn.up, pn.down})
+          rd.check_input_scale(p + proj + ".input_scale", 1, false);
       } else {
         rd.no_global(ng + "_scale_2");
         rd.no_global(nu + "_scale_2");

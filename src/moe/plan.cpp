@@ -98,6 +98,10 @@ MoePlan plan_weights(ScaleFormat f, const MoeLayerGeometry& g, const MoeConstrai
     bad(fmt::format("geometry.experts = {} must be in [1, {}]", g.experts, MoePlan::kMaxExperts));
   if (g.topk == 0 || g.topk > MoePlan::kMaxTopk)
     bad(fmt::format("geometry.topk = {} must be in [1, {}]", g.topk, MoePlan::kMaxTopk));
+  // A token routes to k distinct experts.
+  if (g.topk > g.experts)
+    bad(fmt::format("geometry.topk = {} exceeds geometry.experts = {}: a token routes to k distinct experts",
+                    g.topk, g.experts));
   if (g.hidden == 0 || g.hidden % MoePlan::kTile != 0)
     bad(fmt::format("geometry.hidden = {} must be a non-zero multiple of {} (the kernels' tile)", g.hidden,
                     MoePlan::kTile));

@@ -814,6 +814,203 @@ TEST_F(CliTest, InspectDeviceReportsResidentBytesPerLayerAndModel) {
   EXPECT_NE(table.out.find("expand scratch"), std::string::npos) << table.out;
 }
 
+// --- edges a new user meets (issue #24) -------------------------------------
+
+TEST_F(CliTest, VerifyRefusesAFileThatIsNotCompressed) {
+  CSFMOE_SEEDED(seed);
+  const auto src = write("nv.safetensors", file_bytes(make_nvfp4_sample(seed).tensors));
+  const auto r = csf({"verify", src.string()});
+  expect_clean_failure(r, {"nv.safetensors", "not a CSF container"});
+  EXPECT_EQ(r.out.find("OK"), std::string::npos) << r.out;
+  // A folder of native files alike; a folder of containers verifies.
+  fs::create_directories(dir_ / "native");
+  fs::copy_file(src, dir_ / "native" / "a.safetensors");
+  expect_clean_failure(csf({"verify", (dir_ / "native").string()}), {"not a CSF container"});
+  ASSERT_EQ(csf({"compress", (dir_ / "native").string(), (dir_ / "packed").string(), "-q"}).code, 0);
+  const auto ok = csf({"verify", (dir_ / "packed").string()});
+  EXPECT_EQ(ok.code, 0) << ok.err;
+  EXPECT_NE(ok.out.find("OK a.safetensors"), std::string::npos) << ok.out;
+  // A native file added to a compressed folder is named as skipped, not as verified.
+  fs::copy_file(src, dir_ / "packed" / "b.safetensors");
+  const auto mixed = csf({"verify", (dir_ / "packed").string()});
+  EXPECT_EQ(mixed.code, 0) << mixed.err;
+  EXPECT_NE(mixed.out.find("SKIPPED b.safetensors"), std::string::npos) << mixed.out;
+  EXPECT_EQ(mixed.out.find("OK b.safetensors"), std::string::npos) << mixed.out;
+}
+
+TEST_F(CliTest, FolderWithoutSafetensorsIsAnError) {
+  fs::create_directories(dir_ / "empty");
+  std::ofstream(dir_ / "empty" / "config.json") << "{}";
+  for (const char* cmd : {"inspect", "verify", "compress", "decompress"}) {
+    SCOPED_TRACE(cmd);
+    std::vector<std::string> args = {cmd, (dir_ / "empty").string()};
+    if (std::string(cmd) == "compress" || std::string(cmd) == "decompress")
+      args.push_back((dir_ / "out" / "x").string());
+    expect_clean_failure(csf(args), {"empty", "no .safetensors"});
+  }
+}
+
+TEST_F(CliTest, CompressHonoursTheFilesLayoutTagAndPrintsFileSizes) {
+  CSFMOE_SEEDED(seed);
+  const auto tagged = dir_ / "synth.safetensors";
+  ASSERT_EQ(csf({"synth", tagged.string(), "--model", "qwen3-30b-a3b", "--format", "nvfp4", "--experts", "1",
+                 "--layout", "swizzled_128x4", "--seed", std::to_string(seed), "-q"})
+                .code,
+            0);
+  const auto c = dir_ / "c.safetensors";
+  const auto r = csf({"compress", tagged.string(), c.string()});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("on disk"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(std::to_string(fs::file_size(c)) + " bytes"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(std::to_string(fs::file_size(tagged)) + " bytes"), std::string::npos) << r.out;
+  {
+    const auto f = csfmoe::st::File::open(c);
+    const auto info = csfmoe::detail::get_container_metadata(f.header().metadata, c.string());
+    ASSERT_TRUE(info.has_value());
+    ASSERT_FALSE(info->csf.empty());
+    for (const auto& e : info->csf) EXPECT_EQ(e.grid.layout, csfmoe::ScaleLayout::swizzled_128x4) << e.name;
+  }
+  // The same bytes as naming the layout explicitly.
+  const auto c2 = dir_ / "c2.safetensors";
+  ASSERT_EQ(csf({"compress", tagged.string(), c2.string(), "--layout", "swizzled_128x4", "-q"}).code, 0);
+  EXPECT_TRUE(read_bytes(c) == read_bytes(c2));
+  // A contradicting --layout is an error, and nothing is written.
+  expect_clean_failure(
+      csf({"compress", tagged.string(), (dir_ / "out" / "x.safetensors").string(), "--layout", "row_major"}),
+      {"synth.safetensors", "csfmoe.scale_layout", "swizzled_128x4"});
+  // Round trip.
+  ASSERT_EQ(csf({"decompress", c.string(), (dir_ / "r.safetensors").string(), "-q"}).code, 0);
+  EXPECT_TRUE(read_bytes(dir_ / "r.safetensors") == read_bytes(tagged));
+}
+
+// The container's header is sized to what it holds: no reservation slack
+// beyond the 8-byte alignment, so a small file does not grow by the bound.
+TEST_F(CliTest, ContainerHeaderHasNoReservationSlack) {
+  CSFMOE_SEEDED(seed);
+  for (int round = 0; round < 3; ++round) {
+    const auto src = write("in" + std::to_string(round) + ".safetensors",
+                           file_bytes(make_nvfp4_sample(seed + std::uint64_t(round)).tensors));
+    const auto c = dir_ / ("c" + std::to_string(round) + ".safetensors");
+    ASSERT_EQ(csf({"compress", src.string(), c.string(), "-q"}).code, 0);
+    const Bytes b = read_bytes(c);
+    ASSERT_GE(b.size(), 8u);
+    std::uint64_t n = 0;
+    for (int i = 0; i < 8; ++i) n |= std::uint64_t(b[std::size_t(i)]) << (8 * i);
+    ASSERT_LE(8 + n, b.size());
+    std::size_t spaces = 0;
+    while (spaces < n && b[8 + n - 1 - spaces] == ' ') ++spaces;
+    EXPECT_LT(spaces, 8u) << "header of " << n << " bytes ends in " << spaces << " spaces";
+    EXPECT_EQ((8 + n) % 8, 0u);
+    // Still a valid container that restores exactly.
+    const auto r = dir_ / ("r" + std::to_string(round) + ".safetensors");
+    ASSERT_EQ(csf({"decompress", c.string(), r.string(), "-q"}).code, 0);
+    EXPECT_TRUE(read_bytes(r) == read_bytes(src));
+  }
+}
+
+TEST_F(CliTest, InspectDecodesAndCrcChecksCsfTensors) {
+  CSFMOE_SEEDED(seed);
+  const auto sample = make_nvfp4_sample(seed);
+  const auto src = write("nv.safetensors", file_bytes(sample.tensors));
+  const auto c = dir_ / "c.safetensors";
+  ASSERT_EQ(csf({"compress", src.string(), c.string(), "-q"}).code, 0);
+  const auto clean = csf({"inspect", c.string()});
+  ASSERT_EQ(clean.code, 0) << clean.err;
+  EXPECT_NE(clean.out.find("CRC32 matched"), std::string::npos) << clean.out;
+  EXPECT_NE(clean.out.find("csf verify"), std::string::npos) << clean.out;
+  // Swap two different code bytes of a CSF fixed part: the part stays well formed, the CRC does not match.
+  auto bytes = read_bytes(c);
+  const auto file = csfmoe::st::File::open(c);
+  const std::string victim = "model.layers.0.mlp.experts.w13.weight_scale";
+  const auto* part = file.find(csfmoe::detail::part_names(victim).fixed);
+  ASSERT_NE(part, nullptr);
+  const std::size_t base = file.data_offset() + part->begin;
+  // Inside the first slab's codes: after its 128 bases, C >= 16 columns of 128 rows at 2 codes a byte.
+  std::size_t i = 128, j = 0;
+  for (std::size_t k = i + 1; k < 128 + 64 * 16 && !j; ++k)
+    if (bytes[base + k] != bytes[base + i]) j = k;
+  ASSERT_NE(j, 0u);
+  std::swap(bytes[base + i], bytes[base + j]);
+  write_bytes(c, bytes);
+  const auto r = csf({"inspect", c.string()});
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.err.find(victim), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("CRC32"), std::string::npos) << r.err;
+}
+
+TEST_F(CliTest, MessagesForEdgeArguments) {
+  // --tp without --rank: a usage error naming --rank.
+  CSFMOE_SEEDED(seed);
+  const auto src = write("nv.safetensors", file_bytes(make_nvfp4_sample(seed).tensors));
+  auto r = csf({"compress", src.string(), (dir_ / "out" / "x").string(), "--tp", "2"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("--rank"), std::string::npos) << r.err;
+  EXPECT_TRUE(out_entries().empty());
+  // synth --experts out of range: a short message, not a 300-digit bound.
+  r = csf({"synth", (dir_ / "out" / "s").string(), "--model", "qwen3-30b-a3b", "--format", "nvfp4",
+           "--experts", "0"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_LT(r.err.size(), 200u) << r.err;
+  EXPECT_NE(r.err.find("--experts"), std::string::npos) << r.err;
+  // A shape whose byte count wraps 64 bits is named as such.
+  const T wrap{"wrap", "F32", {std::uint64_t{1} << 62}, {}};
+  const auto p = write("wrap.safetensors", file_bytes({wrap}));
+  r = csf({"inspect", p.string()});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("overflows"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("needs 0"), std::string::npos) << r.err;
+  // --help explains the table's words and the exit codes.
+  r = csf({"--help"});
+  EXPECT_EQ(r.code, 0);
+  for (const char* word : {"ratio", "lower is better", "bases", "exc", "native_kept", "passthrough",
+                           "stage_read", "Exit codes", "--max-error"})
+    EXPECT_NE(r.out.find(word), std::string::npos) << word;
+}
+
+TEST_F(CliTest, QuantizeSaysWhyAMatrixStaysAsItIs) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const std::uint64_t k_bad = 16 * (2 + rng() % 4) + 8;  // not a multiple of 16
+  std::vector<T> ts = {{"good.weight", "F32", {4, 64}, Bytes(4 * 64 * 4, 0)},
+                       {"odd.weight", "F32", {4, k_bad}, Bytes(4 * k_bad * 4, 0)},
+                       {"vec.weight", "F32", {64}, Bytes(64 * 4, 0)},
+                       {"other.bias", "F32", {4}, Bytes(16, 0)}};
+  for (auto& t : ts)
+    for (std::size_t i = 0; i + 3 < t.bytes.size(); i += 4) {
+      const float v = std::normal_distribution<float>(0.0f, 1.0f)(rng);
+      std::memcpy(t.bytes.data() + i, &v, 4);
+    }
+  const auto src = write("f.safetensors", file_bytes(ts));
+  const auto r = csf({"quantize", src.string(), (dir_ / "q.safetensors").string(), "--format", "nvfp4"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("kept as is: odd.weight"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("K = " + std::to_string(k_bad)), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("kept as is: vec.weight"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("other.bias"), std::string::npos) << "not asked for, not listed: " << r.out;
+  EXPECT_EQ(r.out.find("kept as is: good.weight"), std::string::npos) << r.out;
+}
+
+TEST_F(CliTest, SweepsDeadTemporariesOfOtherOutputs) {
+  CSFMOE_SEEDED(seed);
+  const auto src = write("nv.safetensors", file_bytes(make_nvfp4_sample(seed).tensors));
+  const pid_t gone = [] {
+    for (;;) {
+      const pid_t pid = ::fork();
+      if (pid == 0) ::_exit(0);
+      int status = 0;
+      ::waitpid(pid, &status, 0);
+      if (::kill(pid, 0) != 0 && errno == ESRCH) return pid;
+    }
+  }();
+  const std::string stale = ".another-output.safetensors.tmp-" + std::to_string(gone);
+  const std::string live = ".busy.safetensors.tmp-" + std::to_string(::getpid());
+  write_bytes(dir_ / "out" / stale, Bytes(4096, 7));
+  write_bytes(dir_ / "out" / live, Bytes(16, 7));
+  ASSERT_EQ(csf({"compress", src.string(), (dir_ / "out" / "c.safetensors").string(), "-q"}).code, 0);
+  EXPECT_FALSE(fs::exists(dir_ / "out" / stale)) << "a dead run's temporary was left";
+  EXPECT_TRUE(fs::exists(dir_ / "out" / live)) << "a live run's temporary was removed";
+}
+
 TEST_F(CliTest, DemoPasses) {
   const auto r = csf({"demo", "--data", std::string(CSFMOE_SOURCE_DIR) + "/data"});
   ASSERT_EQ(r.code, 0) << r.out << r.err;

@@ -2,7 +2,7 @@
 // CSFMOE_CSF_BINARY): a run killed with SIGKILL part-way leaves the source
 // untouched and no output (only its own temporary, which the re-run
 // removes); the re-run succeeds and restores byte for byte. Stale
-// temporaries of dead pids are swept by the next writer of the same name
+// temporaries of dead pids are swept by the next writer into their folder
 // (CLI and library), those of live pids, symlinks and other names are left
 // exactly as they were, and no symlink is followed. The tool refuses to
 // overwrite its input or an existing output, and a full disk (RLIMIT_FSIZE,
@@ -307,12 +307,17 @@ struct Leftovers {
     ::mkfifo((dir / name(dead[5])).c_str(), 0600);
     keep.insert(keep.end(), {name(dead[3]), name(dead[4]), name(dead[5])});
     const std::string d0 = std::to_string(dead[0]);
+    // Other outputs' temporaries of dead runs go too: a killed run's file can be gigabytes.
     for (const std::string& n :
-         {"." + out_name + "x.tmp-" + d0, "." + out_name + ".tmp-" + d0 + "x", "." + out_name + ".tmp-0" + d0,
-          "." + out_name + ".tmp-+" + d0, "." + out_name + ".tmp--" + d0, "." + out_name + ".tmp-0",
-          "." + out_name + ".tmp-", "." + out_name + ".tmp-" + d0 + ".stale.x",
-          "." + out_name + ".tmp-99999999999999999999", out_name + ".tmp-" + d0,
-          ".." + out_name + ".tmp-" + d0, ".other.tmp-" + d0, "x" + t + d0}) {
+         {"." + out_name + "x.tmp-" + d0, ".." + out_name + ".tmp-" + d0, ".other.tmp-" + d0}) {
+      write_bytes(dir / n, random_bytes(rng));
+      removed.push_back(n);
+    }
+    for (const std::string& n :
+         {"." + out_name + ".tmp-" + d0 + "x", "." + out_name + ".tmp-0" + d0, "." + out_name + ".tmp-+" + d0,
+          "." + out_name + ".tmp--" + d0, "." + out_name + ".tmp-0", "." + out_name + ".tmp-",
+          "." + out_name + ".tmp-" + d0 + ".stale.x", "." + out_name + ".tmp-99999999999999999999",
+          out_name + ".tmp-" + d0, "x" + t + d0, ".tmp-" + d0, "..tmp-" + d0}) {
       write_bytes(dir / n, random_bytes(rng));
       keep.push_back(n);
     }
@@ -445,6 +450,9 @@ TEST(CrashSafety, FullDiskByFileSizeLimitFailsCleanly) {
   write_checkpoint(src, seed, 4, 512);  // ~2 MB
   const auto before = tree_hash(src);
   const auto listing = entries(d.path);
+  // A live run's temporary in the folder: the error names it (it may be what filled the disk).
+  const std::string busy = ".busy.safetensors.tmp-" + std::to_string(::getpid());
+  write_bytes(d.path / busy, std::string(64, 1));
   // Any limit below the output's size: the write that crosses it fails.
   const rlim_t limit = 4096 + rng() % (1u << 20);
   for (const std::string& verb : {"compress", "decompress"}) {
@@ -461,6 +469,7 @@ TEST(CrashSafety, FullDiskByFileSizeLimitFailsCleanly) {
     EXPECT_NE(r.err.find("csf: error:"), std::string::npos) << r.err;
     EXPECT_NE(r.err.find(out.string()), std::string::npos) << "message does not name the output: " << r.err;
     EXPECT_NE(r.err.find("File too large"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(busy), std::string::npos) << "message does not name the other temporary: " << r.err;
     EXPECT_FALSE(fs::exists(out));
     EXPECT_FALSE(has_temp_of(d.path, out.filename().string())) << "temporary left behind";
     EXPECT_EQ(tree_hash(src), before);

@@ -307,6 +307,105 @@ TEST(MoeCheckpoint, SwizzledScalesFromMetadata) {
   expect_same(load_moe_layer(dir / "c.safetensors", kL0, g.topk), w);
 }
 
+// A file tagged csfmoe.scale_layout = swizzled_128x4 compresses as swizzled
+// without being told, and the MoE layer loaded from the container equals the
+// one loaded from the source (weights and reference outputs).
+TEST(MoeCheckpoint, CompressHonoursTheScaleLayoutTag) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  MoeLayerGeometry g = random_geometry(rng);
+  g.intermediate =
+      64;  // 2N = 128: w13's swizzled grid has the row-major shape; only the tag tells them apart
+  const MoeHostWeights w = synthetic_moe_weights(ScaleFormat::nvfp4, g, seed);
+  auto ts = stacked_tensors(kL0, w);
+  const GridShape s13{ScaleFormat::nvfp4, ScaleLayout::row_major, g.experts, 2 * g.intermediate,
+                      g.hidden / 16};
+  const GridShape s2{ScaleFormat::nvfp4, ScaleLayout::row_major, g.experts, g.hidden, g.intermediate / 16};
+  ts[1].data = relayout_scales(s13, w.w13_scales, ScaleLayout::swizzled_128x4);
+  ts[1].shape = {g.experts, round_up(s13.rows, 128), round_up(s13.cols, 4)};
+  ts[5].data = relayout_scales(s2, w.w2_scales, ScaleLayout::swizzled_128x4);
+  ts[5].shape = {g.experts, round_up(s2.rows, 128), round_up(s2.cols, 4)};
+  TempDir dir;
+  write_st(dir / "m.safetensors", ts, st::Metadata{{std::string(kScaleLayoutKey), "swizzled_128x4"}});
+  const MoeHostWeights native = load_moe_layer(dir / "m.safetensors", kL0, g.topk);
+  expect_same(native, w);
+  compress_checkpoint(dir / "m.safetensors", dir / "c.safetensors", force_csf());  // no layout given
+  const MoeHostWeights packed = load_moe_layer(dir / "c.safetensors", kL0, g.topk);
+  expect_same(packed, native);
+  expect_same_reference(packed, native, seed + 1);
+  CompressOptions contradicting = force_csf();
+  contradicting.layout = ScaleLayout::row_major;
+  try {
+    compress_checkpoint(dir / "m.safetensors", dir / "d.safetensors", contradicting);
+    ADD_FAILURE() << "a layout that contradicts the tag was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("m.safetensors"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(kScaleLayoutKey), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(dir / "d.safetensors"));
+}
+
+// The activation scales are not used by the W4A16 kernels, but the loader
+// still checks them: CRC in a container, positive finite F32 everywhere.
+TEST(MoeCheckpoint, InputScalesAreChecked) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g = random_geometry(rng);
+  const MoeHostWeights w = synthetic_moe_weights(ScaleFormat::nvfp4, g, seed);
+  TempDir dir;
+  write_st(dir / "m.safetensors", stacked_tensors(kL0, w));
+  compress_checkpoint(dir / "m.safetensors", dir / "c.safetensors", force_csf());
+  const std::string name = kL0 + ".w13.input_scale";
+  {
+    // One flipped byte of the input scale inside the container.
+    const auto f = st::File::open(dir / "c.safetensors");
+    const st::TensorInfo* t = f.find(name);
+    ASSERT_NE(t, nullptr);
+    const std::uint64_t at = f.data_offset() + t->begin + rng() % t->nbytes();
+    std::fstream io(dir / "c.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    io.seekg(static_cast<std::streamoff>(at));
+    char b = 0;
+    io.read(&b, 1);
+    b = static_cast<char>(b ^ (1 << (rng() % 8)));
+    io.seekp(static_cast<std::streamoff>(at));
+    io.write(&b, 1);
+  }
+  try {
+    (void)load_moe_layer(dir / "c.safetensors", kL0, g.topk);
+    ADD_FAILURE() << "a damaged input_scale was accepted";
+  } catch (const CorruptData& e) {
+    EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+  }
+  // Non-positive values in a native file.
+  auto ts = stacked_tensors(kL0, w);
+  std::vector<float> bad(g.experts, 1.0f);
+  bad[rng() % g.experts] = rng() % 2 ? 0.0f : -1.0f;
+  ts[3].data = bytes_of(bad);
+  write_st(dir / "bad.safetensors", ts);
+  try {
+    (void)load_moe_layer(dir / "bad.safetensors", kL0, g.topk);
+    ADD_FAILURE() << "a non-positive input_scale was accepted";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("positive"), std::string::npos) << e.what();
+  }
+}
+
+TEST(MoeCheckpoint, TopkAboveTheExpertsIsRefused) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g = random_geometry(rng);
+  TempDir dir;
+  write_st(dir / "m.safetensors", stacked_tensors(kL0, synthetic_moe_weights(ScaleFormat::nvfp4, g, seed)));
+  EXPECT_NO_THROW((void)load_moe_layer(dir / "m.safetensors", kL0, g.experts));
+  try {
+    (void)load_moe_layer(dir / "m.safetensors", kL0, g.experts + 1);
+    ADD_FAILURE() << "top-k above the experts was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("exceeds"), std::string::npos) << e.what();
+  }
+}
+
 TEST(MoeCheckpoint, PerExpertModelOpt) {
   CSFMOE_SEEDED(seed);
   std::mt19937_64 rng(seed);
@@ -565,8 +664,8 @@ TEST(MoeCheckpointCli, RunsALayerOfACheckpoint) {
   write_st(one, stacked_tensors(kL0, w));
   CliRun r = csf(dir, "moe --checkpoint '" + one.string() + "' --cpu --tokens 2 --iters 1");
   ASSERT_EQ(r.code, 0) << r.out << r.err;
-  const std::string want =
-      fmt::format("{} : {} E={} H={} N={} k=8 nvfp4", one.string(), kL0, g.experts, g.hidden, g.intermediate);
+  const std::string want = fmt::format("{} : {} E={} H={} N={} k={} nvfp4", one.string(), kL0, g.experts,
+                                       g.hidden, g.intermediate, std::min(8u, g.experts));
   EXPECT_NE(r.out.find(want), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("cpu-reference"), std::string::npos) << r.out;
 
@@ -587,6 +686,13 @@ TEST(MoeCheckpointCli, RunsALayerOfACheckpoint) {
   EXPECT_NE(r.out.find(fmt::format("{} E={} H={} N={} k=2 mxfp4", l1, g.experts, g.hidden, g.intermediate)),
             std::string::npos)
       << r.out;
+  // An explicit k above the layer's experts is refused, naming both.
+  r = csf(dir, "moe --checkpoint " + two + " --layer " + l1 + " --topk " + std::to_string(g.experts + 1) +
+                   " --cpu --tokens 2 --iters 1");
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find(fmt::format("topk = {} exceeds geometry.experts = {}", g.experts + 1, g.experts)),
+            std::string::npos)
+      << r.err;
   r = csf(dir, "moe --checkpoint " + two + " --layer model.layers.5.mlp.experts --cpu --tokens 2");
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.err.find("model.layers.5.mlp.experts"), std::string::npos) << r.err;

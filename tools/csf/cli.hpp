@@ -25,13 +25,13 @@ struct InspectArgs {
   std::filesystem::path path;
   bool json = false;
   bool device = false;  // inspect only: resident device memory per layer and model
-  std::string layout = "row_major";
+  std::string layout;   // "" = each file's csfmoe.scale_layout tag, else row_major
   unsigned threads = 0;
 };
 
 struct CompressArgs {
   std::filesystem::path in, out;
-  std::string layout = "row_major";
+  std::string layout;  // "" = each file's csfmoe.scale_layout tag, else row_major
   unsigned threads = 0;
   bool quiet = false;
   unsigned tp = 1, tp_rank = 0;  // compress only: tensor-parallel slice to store
@@ -118,7 +118,8 @@ class ProgressPrinter {
 };
 
 // --- shared helpers (commands.cpp) -----------------------------------------
-ScaleLayout layout_arg(const std::string& s);
+// "" (not given): each file's own tag, else row_major (CompressOptions::layout).
+std::optional<ScaleLayout> layout_arg(const std::string& s);
 // Output rules shared by the commands that write: out must not exist and
 // must differ from in. Throws InvalidArgument naming the path.
 void check_output_path(const std::filesystem::path& in, const std::filesystem::path& out);

@@ -26,10 +26,25 @@ int main(int argc, char** argv) {
   using namespace csfmoe::cli;
   CLI::App app{"csf: lossless CSF compression of NVFP4/MXFP4 block scales in safetensors checkpoints"};
   app.require_subcommand(1);
+  app.footer(R"(Table columns (inspect, compress, demo):
+  rows     scale rows (one per output row of each expert projection)
+  bases    distinct base bytes among the rows (each row stores one base + 4-bit or 1-bit offsets)
+  exc      exceptions: scale bytes outside their row's window, stored whole (share of all scale bytes)
+  before   bytes in the source; after: bytes as stored
+  ratio    after / before: lower is better (50% = half the bytes)
+  action   csf: stored compressed; native_kept: a scale tensor kept as is (CSF would not be smaller, or
+           it cannot be encoded; the reason is printed); passthrough: not a block-scale tensor, copied
+csf moe scale modes: native (uncompressed scales), expanded (CSF expanded once ahead of calls), routed
+  (the call's routed experts expanded per call), stage_read (the GEMM reads CSF scales directly).
+Exit codes: 0 success; 1 error (bad or corrupt input, I/O; nothing is written); 2 usage error;
+  3 csf moe: the GPU result's error is not below --max-error.)");
   app.set_version_flag("--version", std::string("csf ") + CSFMOE_VERSION);
 
   const auto layouts = CLI::IsMember({"row_major", "swizzled_128x4"});
   const auto formats = CLI::IsMember({"nvfp4", "mxfp4"});
+  constexpr const char* kLayoutHelp =
+      "layout of the source scale tensors (default: the file's csfmoe.scale_layout tag, else row_major; "
+      "a value that contradicts the tag is an error)";
 
   InspectArgs inspect;
   auto* c_inspect =
@@ -38,7 +53,7 @@ int main(int argc, char** argv) {
   c_inspect->add_flag("--json", inspect.json, "machine-readable JSON on stdout");
   c_inspect->add_flag("--device", inspect.device,
                       "resident device memory per layer and model, native vs CSF scales");
-  c_inspect->add_option("--layout", inspect.layout, "layout of the source scale tensors")->check(layouts);
+  c_inspect->add_option("--layout", inspect.layout, kLayoutHelp)->check(layouts);
   c_inspect->add_option("--threads", inspect.threads, "worker threads (0: all cores)");
 
   CompressArgs compress;
@@ -46,13 +61,14 @@ int main(int argc, char** argv) {
   c_compress->add_option("in", compress.in, "safetensors file or checkpoint folder")->required();
   c_compress->add_option("out", compress.out, "output file or folder (must not exist)")->required();
   c_compress->add_option("--threads", compress.threads, "worker threads (0: all cores)");
-  c_compress->add_option("--layout", compress.layout, "layout of the source scale tensors")->check(layouts);
+  c_compress->add_option("--layout", compress.layout, kLayoutHelp)->check(layouts);
   c_compress->add_flag("--quiet,-q", compress.quiet, "no progress and no table");
   c_compress
       ->add_option("--tp", compress.tp,
                    "tensor-parallel degree: store only rank --rank's slice of the MoE expert projections")
       ->check(CLI::Range(1u, 1024u));
-  c_compress->add_option("--rank", compress.tp_rank, "tensor-parallel rank in [0, --tp)");
+  auto* rank_option = c_compress->add_option("--rank", compress.tp_rank,
+                                             "tensor-parallel rank in [0, --tp); required with --tp");
 
   CompressArgs decompress;
   auto* c_decompress = app.add_subcommand("decompress", "Restore the original checkpoint byte for byte");
@@ -96,7 +112,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"deepseek-v3", "kimi-k2", "qwen3-30b-a3b", "qwen3-235b-a22b"}));
   c_synth->add_option("--format", synth.format, "nvfp4 or mxfp4")->required()->check(formats);
   c_synth->add_option("--experts", synth.experts, "experts per layer (default: the model's)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1u, 65536u));
   c_synth->add_option("--layers", synth.layers, "MoE layers")
       ->check(CLI::Range(1u, 4096u))
       ->capture_default_str();
@@ -122,6 +138,9 @@ int main(int argc, char** argv) {
   }
 
   try {
+    if (c_compress->parsed() && compress.tp > 1 && rank_option->count() == 0)
+      throw UsageError(
+          fmt::format("--tp {} needs --rank (which slice to store, 0..{})", compress.tp, compress.tp - 1));
     if (c_inspect->parsed()) return run_inspect(inspect);
     if (c_compress->parsed()) return run_compress(compress);
     if (c_decompress->parsed()) return run_decompress(decompress);

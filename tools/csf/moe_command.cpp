@@ -197,7 +197,9 @@ int run_moe(const MoeArgs& a) {
   auto t0 = std::chrono::steady_clock::now();
   if (a.checkpoint) {
     layer_name = pick_layer(a);
-    loaded = load_moe_layer(*a.checkpoint, layer_name, a.topk.value_or(8));
+    // Without --topk: k = min(8, E), so a small layer still routes to distinct experts.
+    loaded = load_moe_layer(*a.checkpoint, layer_name, a.topk.value_or(1));
+    if (!a.topk) loaded->geometry.topk = std::min(8u, loaded->geometry.experts);
     layer_name = a.checkpoint->string() + " : " + layer_name;
   }
   MoeLayerGeometry g;
@@ -277,7 +279,7 @@ void register_moe_command(CLI::App& app) {
   auto* experts = c->add_option("--experts", args->experts, "override E");
   auto* hidden = c->add_option("--hidden", args->hidden, "override H (multiple of 64)");
   auto* inter = c->add_option("--intermediate", args->intermediate, "override N (multiple of 64)");
-  c->add_option("--topk", args->topk, "override k (with --checkpoint: default 8)");
+  c->add_option("--topk", args->topk, "override k (with --checkpoint: default min(8, experts))");
   auto* format = c->add_option("--format", args->format, "nvfp4 or mxfp4")
                      ->check(CLI::IsMember({"nvfp4", "mxfp4"}))
                      ->capture_default_str();

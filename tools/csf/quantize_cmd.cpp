@@ -1,7 +1,9 @@
 // csf quantize: BF16/F16/F32 weight matrices -> NVFP4 (ModelOpt names) or
 // MXFP4 (gpt-oss names). Everything else is copied unchanged.
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <regex>
@@ -80,13 +82,28 @@ int run_quantize(const QuantizeArgs& a) {
 
   std::vector<OutTensor> out;
   std::size_t quantized = 0, passed = 0;
+  // Matrices the user asked for (name matches --include) but that stay as they are, and why.
+  std::vector<std::string> kept;
   for (const auto& t : src.tensors()) {
     const bool float_dtype =
         t.dtype == st::Dtype::BF16 || t.dtype == st::Dtype::F16 || t.dtype == st::Dtype::F32;
-    const bool eligible = float_dtype && t.shape.size() == 2 && t.shape[1] % g == 0 && t.shape[1] > 0 &&
-                          t.shape[0] >= a.min_rows && t.shape[0] > 0 && std::regex_search(t.name, include);
-    if (!eligible) {
+    std::string why;
+    if (!std::regex_search(t.name, include))
+      why = "name does not match --include";
+    else if (!float_dtype)
+      why = fmt::format("dtype {} is not BF16, F16 or F32", st::to_string(t.dtype));
+    else if (t.shape.size() != 2)
+      why = fmt::format("{} dimensions, not a 2-D matrix", t.shape.size());
+    else if (t.shape[1] == 0 || t.shape[1] % g != 0)
+      why = fmt::format("K = {} is not a positive multiple of the {}-element {} block", t.shape[1], g,
+                        a.format);
+    else if (t.shape[0] == 0 || t.shape[0] < a.min_rows)
+      why = fmt::format("{} rows, below --min-rows {}", t.shape[0], std::max<std::uint64_t>(a.min_rows, 1));
+    if (!why.empty()) {
       ++passed;
+      if (std::regex_search(t.name, include))
+        kept.push_back(fmt::format("  kept as is: {} {} [{}]: {}", t.name, st::to_string(t.dtype),
+                                   fmt::join(t.shape, ", "), why));
       out.push_back(span_tensor(t.name, t.dtype, t.shape, src.data(t)));
       continue;
     }
@@ -119,9 +136,11 @@ int run_quantize(const QuantizeArgs& a) {
   meta["csfmoe.quantized_by"] = fmt::format("csf quantize --format {}", a.format);
   if (format == ScaleFormat::nvfp4) meta["quantization"] = "modelopt-nvfp4";
   write_safetensors(a.out, out, meta);
-  if (!a.quiet)
-    fmt::print("quantized {} matrices to {}, passed {} tensors through; wrote {}\n", quantized, a.format,
-               passed, a.out.string());
+  if (!a.quiet) {
+    for (const auto& k : kept) fmt::print("{}\n", k);
+    fmt::print("quantized {} matrices to {}, passed {} tensors through ({} matching --include); wrote {}\n",
+               quantized, a.format, passed, kept.size(), a.out.string());
+  }
   return 0;
 }
 

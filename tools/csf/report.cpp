@@ -210,6 +210,9 @@ void print_report_table(std::FILE* out, const CheckpointReport& r) {
   row("all tensors", "", "", "", "", r.file_source_bytes, r.file_stored_bytes,
       percent(r.file_source_bytes ? double(r.file_stored_bytes) / double(r.file_source_bytes) : 0),
       fmt::format("{} other tensors passed through ({})", passthrough, human_bytes(passthrough_bytes)));
+  fmt::print(out,
+             "ratio = after / before, lower is better; exc = share of scale bytes stored whole as "
+             "exceptions; csf --help explains every column\n");
 }
 
 void print_kept_native(std::FILE* out, const CheckpointReport& r) {

@@ -110,7 +110,7 @@ int run_synth(const SynthArgs& a) {
       {"csfmoe.synthetic", "true"},
       {"csfmoe.model", std::string(g.name)},
       {"csfmoe.format", a.format},
-      {"csfmoe.scale_layout", a.layout},
+      {std::string(kScaleLayoutKey), a.layout},
       {"csfmoe.experts", std::to_string(E)},
       {"csfmoe.layers", std::to_string(a.layers)},
       {"csfmoe.seed", std::to_string(a.seed)},
