@@ -22,6 +22,8 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -60,6 +62,34 @@ class MoeTensorSource {
   // read only global and input scales; load_moe_layer reads the rest.
   virtual std::vector<std::uint8_t> read(const std::string& name) const = 0;
   virtual std::vector<std::string> layers() const = 0;  // MoE layer keys held, for messages
+};
+
+// Tensors held elsewhere (in memory): each with its dtype, shape and, for a
+// scale tensor, the layout of its bytes; `reader` returns a tensor's bytes.
+class MoeTensorTable final : public MoeTensorSource {
+ public:
+  using Reader = std::function<std::vector<std::uint8_t>(const std::string& name)>;
+  MoeTensorTable(std::string label, Reader reader);
+  // InvalidArgument on a repeated name.
+  void add(std::string name, st::Dtype dtype, std::vector<std::uint64_t> shape,
+           ScaleLayout layout = ScaleLayout::row_major);
+
+  std::string label() const override { return label_; }
+  const st::TensorInfo* find(const std::string& name) const override;
+  std::vector<std::string> names_with_prefix(const std::string& prefix) const override;
+  std::string label_of(const std::string&) const override { return label_; }
+  ScaleLayout layout_of(const std::string& scale) const override;
+  std::vector<std::uint8_t> read(const std::string& name) const override;
+  std::vector<std::string> layers() const override;
+
+ private:
+  struct Entry {
+    st::TensorInfo info;
+    ScaleLayout layout = ScaleLayout::row_major;
+  };
+  std::string label_;
+  Reader reader_;
+  std::map<std::string, Entry> tensors_;
 };
 
 // One packed FP4 weight of a layer and its block scales, as checked.

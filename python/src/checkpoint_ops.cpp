@@ -17,6 +17,7 @@
 #include "common.hpp"
 #include "csfmoe/checkpoint.hpp"
 #include "csfmoe/checkpoint_reader.hpp"
+#include "csfmoe/moe_checkpoint.hpp"
 #include "csfmoe/safetensors.hpp"
 
 namespace csfmoe::py {
@@ -168,6 +169,57 @@ void save_safetensors(const std::filesystem::path& path, const std::vector<SaveI
   w.commit(metadata);
 }
 
+nb::list projections(const std::vector<MoeLayerProjection>& v) {
+  nb::list out;
+  for (const auto& p : v) {
+    nb::dict d;
+    d["weight"] = p.weight;
+    d["scale"] = p.scale;
+    d["scale_layout"] = std::string(to_string(p.scale_layout));
+    d["experts"] = p.experts;
+    d["rows"] = p.rows;
+    d["k"] = p.k;
+    out.append(d);
+  }
+  return out;
+}
+
+// The C++ layer rules (resolve_moe_layer) over tensors held by Python:
+// `tensors` maps name -> (safetensors dtype, shape, scale layout); `read`
+// returns a tensor's bytes (only global and input scales are read).
+nb::dict resolve_layer(nb::dict tensors, const std::string& layer, unsigned topk, nb::callable read,
+                       const std::string& label) {
+  MoeTensorTable table(label, [&](const std::string& name) {
+    const Array a = nb::cast<Array>(read(name));
+    const auto b = bytes_of(a, name.c_str());
+    return std::vector<std::uint8_t>(b.begin(), b.end());
+  });
+  for (auto [k, v] : tensors) {
+    const std::string name = nb::cast<std::string>(k);
+    const nb::tuple t = nb::cast<nb::tuple>(v);
+    const std::string dtype = nb::cast<std::string>(t[0]);
+    const auto d = st::parse_dtype(dtype);
+    if (!d)
+      throw InvalidArgument(
+          fmt::format("{}: tensor '{}': unknown safetensors dtype '{}'", label, name, dtype));
+    table.add(name, *d, nb::cast<std::vector<std::uint64_t>>(t[1]), layout_arg(nb::cast<std::string>(t[2])));
+  }
+  const MoeLayerSpec s = resolve_moe_layer(table, layer, topk);
+  nb::dict out;
+  out["naming"] = s.naming;
+  out["format"] = std::string(to_string(s.format));
+  out["experts"] = s.geometry.experts;
+  out["hidden"] = s.geometry.hidden;
+  out["intermediate"] = s.geometry.intermediate;
+  out["w13"] = projections(s.w13);
+  out["w2"] = projections(s.w2);
+  out["w13_global"] = s.w13_global;
+  out["w2_global"] = s.w2_global;
+  out["w13_input_scale"] = s.w13_input_scale;
+  out["w2_input_scale"] = s.w2_input_scale;
+  return out;
+}
+
 }  // namespace
 
 void bind_checkpoint(nb::module_& m) {
@@ -184,6 +236,8 @@ void bind_checkpoint(nb::module_& m) {
       .def("native_kept", &OpenFile::native_kept);
 
   m.def("checkpoint_files", &checkpoint_files, nb::arg("checkpoint"));
+  m.def("resolve_moe_layer", &resolve_layer, nb::arg("tensors"), nb::arg("layer"), nb::arg("topk"),
+        nb::arg("read"), nb::arg("label"));
   m.def("save_safetensors", &save_safetensors, nb::arg("path"), nb::arg("tensors"),
         nb::arg("metadata") = nb::none());
   m.def(

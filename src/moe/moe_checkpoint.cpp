@@ -237,7 +237,7 @@ class LayerReader {
   std::vector<float> globals(const std::string& name, std::uint64_t experts, bool stacked) const {
     const st::TensorInfo& t = need(name);
     if (t.dtype != st::Dtype::F32)
-      fail(name, fmt::format("global scale must be F32 (float32), got {}", st::to_string(t.dtype)));
+      fail(name, fmt::format("global scale must be float32 (F32), got {}", st::to_string(t.dtype)));
     const bool one = t.shape.empty() || (t.shape.size() == 1 && t.shape[0] == 1);
     const bool per_expert = stacked && t.shape.size() == 1 && t.shape[0] == experts;
     if (!one && !per_expert)
@@ -321,6 +321,63 @@ void append(const Source& src, ScaleFormat format, const MoeLayerProjection& p, 
 }  // namespace
 
 std::vector<std::string> list_moe_layers(const fs::path& checkpoint) { return Source(checkpoint).layers(); }
+
+MoeTensorTable::MoeTensorTable(std::string label, Reader reader)
+    : label_(std::move(label)), reader_(std::move(reader)) {}
+
+void MoeTensorTable::add(std::string name, st::Dtype dtype, std::vector<std::uint64_t> shape,
+                         ScaleLayout layout) {
+  Entry e;
+  e.info.name = name;
+  e.info.dtype = dtype;
+  e.info.shape = std::move(shape);
+  e.layout = layout;
+  if (!tensors_.emplace(name, std::move(e)).second)
+    throw InvalidArgument(fmt::format("{}: tensor '{}' given twice", label_, name));
+}
+
+const st::TensorInfo* MoeTensorTable::find(const std::string& name) const {
+  auto it = tensors_.find(name);
+  return it == tensors_.end() ? nullptr : &it->second.info;
+}
+
+std::vector<std::string> MoeTensorTable::names_with_prefix(const std::string& prefix) const {
+  std::vector<std::string> out;
+  for (auto it = tensors_.lower_bound(prefix); it != tensors_.end() && it->first.starts_with(prefix); ++it)
+    out.push_back(it->first);
+  return out;
+}
+
+ScaleLayout MoeTensorTable::layout_of(const std::string& scale) const {
+  auto it = tensors_.find(scale);
+  return it == tensors_.end() ? ScaleLayout::row_major : it->second.layout;
+}
+
+std::vector<std::uint8_t> MoeTensorTable::read(const std::string& name) const {
+  std::vector<std::uint8_t> b = reader_(name);
+  const st::TensorInfo* t = find(name);
+  if (!t || b.size() != t->elements() * st::dtype_size(t->dtype))
+    throw InvalidArgument(fmt::format("{}: tensor '{}': the reader gave {} bytes for shape {} {}", label_,
+                                      name, b.size(), t ? shape_str(t->shape) : "?",
+                                      t ? st::to_string(t->dtype) : "?"));
+  return b;
+}
+
+std::vector<std::string> MoeTensorTable::layers() const {
+  std::set<std::string> keys;
+  for (ScaleLayout l : {ScaleLayout::row_major, ScaleLayout::swizzled_128x4}) {
+    st::Header h;
+    for (const auto& [name, e] : tensors_)
+      if (e.layout == l) h.tensors.push_back(e.info);
+    try {
+      for (const auto& c : detect_scales(h, l, label_).scales)
+        if (!c.layer.empty()) keys.insert(c.layer);
+    } catch (const FormatError&) {
+      // Only names layers for a message; a malformed tensor is reported where it is used.
+    }
+  }
+  return natural_sorted(std::move(keys));
+}
 
 MoeLayerSpec resolve_moe_layer(const MoeTensorSource& src, std::string_view layer_key, unsigned topk) {
   const std::string L(layer_key);
