@@ -202,3 +202,55 @@ TEST(CheckpointReader, FolderFilesFollowTheIndex) {
   EXPECT_THROW((void)checkpoint_files(empty.path), InvalidArgument);
   EXPECT_THROW((void)checkpoint_files(empty.path / "missing"), IoError);
 }
+
+TEST(CheckpointReader, LayerRulesOnATableMatchTheFileLoader) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  TempDir dir;
+  const auto ts = layer_tensors(rng);
+  write_bytes(dir.path / "a.safetensors", build_file(ts));
+  const MoeHostWeights w = load_moe_layer(dir.path / "a.safetensors", kLayer, 2);
+
+  auto table_of = [&](const std::vector<Tensor>& tensors) {
+    auto t = std::make_unique<MoeTensorTable>("table", [tensors](const std::string& name) {
+      for (const auto& x : tensors)
+        if (x.name == name) return std::vector<std::uint8_t>(x.bytes.begin(), x.bytes.end());
+      return std::vector<std::uint8_t>{};
+    });
+    for (const auto& x : tensors) t->add(x.name, *st::parse_dtype(x.dtype), x.shape);
+    return t;
+  };
+  const MoeLayerSpec spec = resolve_moe_layer(*table_of(ts), kLayer, 2);
+  EXPECT_EQ(spec.naming, "stacked");
+  EXPECT_EQ(spec.format, w.format);
+  EXPECT_EQ(spec.geometry.experts, w.geometry.experts);
+  EXPECT_EQ(spec.geometry.hidden, w.geometry.hidden);
+  EXPECT_EQ(spec.geometry.intermediate, w.geometry.intermediate);
+  EXPECT_EQ(spec.w13_global, w.w13_global);
+  EXPECT_EQ(spec.w2_global, w.w2_global);
+  ASSERT_EQ(spec.w13.size(), 1u);
+  EXPECT_EQ(spec.w13[0].weight, kLayer + ".w13.weight");
+  EXPECT_EQ(spec.w13[0].scale, kLayer + ".w13.weight_scale");
+
+  // Both missing tensors are named at once, with the layer.
+  std::vector<Tensor> part;
+  for (const auto& x : ts)
+    if (!x.name.starts_with(kLayer + ".w2.weight")) part.push_back(x);
+  std::string msg;
+  EXPECT_EQ(verdict([&] { (void)resolve_moe_layer(*table_of(part), kLayer, 2); }, &msg), ErrorKind::format);
+  EXPECT_NE(msg.find("table: layer '" + kLayer + "' (stacked layout): missing tensors '" + kLayer +
+                     ".w2.weight', '" + kLayer + ".w2.weight_scale'"),
+            std::string::npos)
+      << msg;
+  write_bytes(dir.path / "part.safetensors", build_file(part));
+  std::string file_msg;
+  EXPECT_EQ(verdict([&] { (void)load_moe_layer(dir.path / "part.safetensors", kLayer, 2); }, &file_msg),
+            ErrorKind::format);
+  EXPECT_NE(file_msg.find("missing tensors '" + kLayer + ".w2.weight', '" + kLayer + ".w2.weight_scale'"),
+            std::string::npos)
+      << file_msg;
+  // An unknown layer lists the layers the table holds.
+  EXPECT_EQ(verdict([&] { (void)resolve_moe_layer(*table_of(ts), "model.layers.9.mlp.experts", 2); }, &msg),
+            ErrorKind::invalid_argument);
+  EXPECT_NE(msg.find("layers found: " + kLayer), std::string::npos) << msg;
+}
