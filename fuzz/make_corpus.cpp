@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const fs::path out = argv[1];
-  for (const char* t : {"fuzz_safetensors_header", "fuzz_container", "fuzz_csf_decode"})
+  for (const char* t : {"fuzz_safetensors_header", "fuzz_container", "fuzz_csf_decode", "fuzz_b12x_planes"})
     fs::create_directories(out / t);
   const fs::path tmp = fs::temp_directory_path() / fmt::format("csfmoe-corpus-{}", ::getpid());
   fs::remove_all(tmp);
@@ -138,6 +138,30 @@ int main(int argc, char** argv) {
     for (int j = 0; j < 3000; ++j) seed.push_back(static_cast<std::uint8_t>(rng()));
     put(out / "fuzz_csf_decode" / fmt::format("raw{}", k), seed);
   }
-  fmt::print("wrote {} checkpoint seeds and {} codec seeds under {}\n", i, n + 4, out.string());
+  // b12x plane inputs: header (format, rows, cols selectors) + recipe, then raw planes.
+  int m = 0;
+  for (int f = 0; f < 2; ++f)
+    for (const auto d : dists) {
+      // rows selector 6 -> 112 rows; cols selector 17 -> 36 (NVFP4) / 18 (MXFP4) columns.
+      const std::uint8_t h[3] = {static_cast<std::uint8_t>(f), 6, 17};
+      const GridShape shape{f ? ScaleFormat::mxfp4 : ScaleFormat::nvfp4, ScaleLayout::row_major, 1, 112,
+                            f ? 18u : 36u};
+      const auto src = synthetic_scales(shape, d, 500 + m);
+      CodecOptions o;
+      o.threads = 1;
+      const CsfTensor t = encode(shape, src, o);
+      std::vector<std::uint8_t> seed(h, h + 3);
+      const auto recipe = csfmoe_fuzz::write_recipe(t, src);
+      seed.insert(seed.end(), recipe.begin(), recipe.end());
+      put(out / "fuzz_b12x_planes" / fmt::format("grid{}", m++), seed);
+    }
+  for (int k = 0; k < 4; ++k) {
+    std::vector<std::uint8_t> seed = {static_cast<std::uint8_t>(2 | (k & 1)), static_cast<std::uint8_t>(k),
+                                      static_cast<std::uint8_t>(5 + 7 * k)};
+    for (int j = 0; j < 2000; ++j) seed.push_back(static_cast<std::uint8_t>(rng()));
+    put(out / "fuzz_b12x_planes" / fmt::format("raw{}", k), seed);
+  }
+  fmt::print("wrote {} checkpoint seeds, {} codec seeds and {} plane seeds under {}\n", i, n + 4, m + 4,
+             out.string());
   return 0;
 }

@@ -113,4 +113,15 @@ struct MoeCallPlan {
 MoeCallPlan plan_call(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint32_t tokens,
                       bool scales_expanded, bool has_scratch, const MoeBindOptions& options);
 
+// Whether a call of `tokens` tokens on this layer reads a scratch of
+// expanded scales (routed expansion inside the call, or expand_scales ahead
+// of it) rather than native or compressed scales, answered from the plan,
+// the device's capabilities and the options alone, before any binding (as
+// b12x's uses_expanded_nvfp4_scales). A caller that expands every expert
+// ahead of such calls (expand_scales on a side stream, then run with
+// scales_expanded = true) saves their routed expansion. False for a layer
+// without CSF scales.
+bool reads_expanded_scales(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint32_t tokens,
+                           bool has_scratch, const MoeBindOptions& options = {});
+
 }  // namespace csfmoe

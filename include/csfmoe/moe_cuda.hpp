@@ -125,8 +125,11 @@ class BoundMoe {
   std::uint32_t max_tokens() const { return max_tokens_; }
   const MoeBindOptions& options() const { return options_; }
   const MoeDeviceCaps& device_caps() const { return caps_; }
-  // The whole launch plan of a call of `tokens` tokens (plan_call).
-  MoeCallPlan call_plan(std::uint32_t tokens) const;
+  // The whole launch plan of a call of `tokens` tokens (plan_call), with the
+  // binding's scales_expanded or the call's own.
+  MoeCallPlan call_plan(std::uint32_t tokens) const { return call_plan(tokens, scales_expanded_); }
+  MoeCallPlan call_plan(std::uint32_t tokens, bool scales_expanded) const;
+  bool scales_expanded() const { return scales_expanded_; }
   MoeScaleMode mode_for(std::uint32_t tokens) const { return call_plan(tokens).mode; }
   MoeKernel kernel_for(std::uint32_t tokens) const { return call_plan(tokens).kernel; }
   // Whether the calls launch their kernels as programmatic dependents.
@@ -138,7 +141,8 @@ class BoundMoe {
  private:
   friend BoundMoe bind(const MoeWeights&, cudaStream_t, std::uint32_t, const MoeWorkspace&, bool,
                        const MoeBindOptions&);
-  friend void run(const BoundMoe&, const void*, std::uint32_t, const void*, IndexType, const float*, void*);
+  friend void run(const BoundMoe&, const void*, std::uint32_t, const void*, IndexType, const float*, void*,
+                  std::optional<bool>);
   const MoeWeights* weights_ = nullptr;  // must outlive the binding
   cudaStream_t stream_ = nullptr;
   std::uint32_t max_tokens_ = 0;
@@ -158,7 +162,11 @@ BoundMoe bind(const MoeWeights& weights, cudaStream_t stream, std::uint32_t max_
 // [T, k] int32 or int64; topk_weights: [T, k] f32; all on the layer's device,
 // 16-byte aligned (ids and weights 4-byte), out not overlapping the inputs.
 // T = 0 does nothing. Asynchronous; capturable in a CUDA graph.
+// scales_expanded: this call's choice (reads_expanded_scales says when
+// expanding ahead pays), else the binding's; true needs a CSF layer with a
+// scale_scratch that expand_scales filled (InvalidArgument otherwise).
 void run(const BoundMoe& bound, const void* hidden, std::uint32_t tokens, const void* topk_ids,
-         IndexType id_type, const float* topk_weights, void* out);
+         IndexType id_type, const float* topk_weights, void* out,
+         std::optional<bool> scales_expanded = std::nullopt);
 
 }  // namespace csfmoe

@@ -478,6 +478,14 @@ void nv_fill_tiles(const u8* tiles, u32 groups, const u8* slab_bases, u8* slab, 
 
 }  // namespace
 
+RowBase window_base(ScaleFormat format, const u8* row, u32 n) {
+  thread_local std::vector<u32> hist;
+  if (hist.size() != 1024) hist.assign(1024, 0);  // fast_base leaves it zeroed
+  const RowResult res =
+      format == ScaleFormat::nvfp4 ? fast_base<16>(row, n, hist.data()) : fast_base<2>(row, n, hist.data());
+  return {res.base, res.in_window};
+}
+
 CsfTensor fast_encode(const CsfGeometry& g, std::span<const u8> src, unsigned threads) {
   CsfTensor t;
   t.geometry = g;

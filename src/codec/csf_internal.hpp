@@ -132,6 +132,15 @@ inline u32 task_rows(const CsfGeometry& g) { return g.shape.format == ScaleForma
 CsfTensor reference_encode(const CsfGeometry& g, std::span<const u8> src);
 void reference_decode_expert(const CsfTensor& t, u32 e, ScaleLayout layout, std::span<u8> dst);
 
+// csf_encode.cpp: the base of one row of n bytes by the encoder's rule (the
+// lowest base whose window holds the most bytes) and how many bytes its
+// window holds. The one row-base search shared by every encoder.
+struct RowBase {
+  u8 base;
+  u32 in_window;
+};
+RowBase window_base(ScaleFormat format, const u8* row, u32 n);
+
 // csf_encode.cpp / csf_decode.cpp: the fast multithreaded paths.
 CsfTensor fast_encode(const CsfGeometry& g, std::span<const u8> src, unsigned threads);
 void fast_decode(const CsfTensor& t, std::span<const u32> experts, ScaleLayout layout, std::span<u8> dst,

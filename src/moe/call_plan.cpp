@@ -80,6 +80,12 @@ MoeDecodeShape decode_shape(std::uint64_t tiles, std::uint32_t k, std::uint32_t 
 
 }  // namespace moe_detail
 
+bool reads_expanded_scales(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint32_t tokens,
+                           bool has_scratch, const MoeBindOptions& options) {
+  const MoeScaleMode m = plan_call(plan, caps, tokens, false, has_scratch, options).mode;
+  return m == MoeScaleMode::expanded || m == MoeScaleMode::routed;
+}
+
 MoeCallPlan plan_call(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint32_t tokens,
                       bool scales_expanded, bool has_scratch, const MoeBindOptions& o) {
   using namespace moe_detail;

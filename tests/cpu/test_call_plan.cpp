@@ -170,6 +170,28 @@ TEST(CallPlan, ScalesExpandedReadsTheScratch) {
 // The launch shapes measured best on the H200 for the model layers (bench/
 // RESULTS.md: "decode kernel v4" for the warps, "runs of row blocks, fixed
 // rule" for the runs, "paired ring copies" for the copies); dense scales.
+// The metadata query: a CSF call reads expanded scales exactly when it does
+// not stage-read (T above stage_read_max_tokens, or a prefill call with a
+// scratch), whatever the binding; native layers never do.
+TEST(CallPlan, ReadsExpandedScalesFromMetadataAlone) {
+  for (const Model& m : kModels) {
+    SCOPED_TRACE(m.name);
+    const MoePlan csf = plan_of(ScaleFormat::nvfp4, m.geometry, ScaleCompression::csf);
+    const MoePlan native = plan_of(ScaleFormat::nvfp4, m.geometry, ScaleCompression::none);
+    const std::uint32_t limit = csf.constraints.stage_read_max_tokens;
+    for (std::uint32_t t : {1u, 8u, 64u, m.prefill_from - 1, m.prefill_from, limit, limit + 1, 8192u}) {
+      SCOPED_TRACE(t);
+      const bool prefill = t >= m.prefill_from;
+      EXPECT_EQ(reads_expanded_scales(csf, h200(), t, /*has_scratch=*/true), t > limit || prefill);
+      EXPECT_EQ(reads_expanded_scales(csf, h200(), t, /*has_scratch=*/false), t > limit);
+      EXPECT_FALSE(reads_expanded_scales(native, h200(), t, true));
+      MoeDeviceCaps no_prefill = h200();
+      no_prefill.prefill_kernels = false;
+      EXPECT_EQ(reads_expanded_scales(csf, no_prefill, t, true), t > limit);
+    }
+  }
+}
+
 TEST(CallPlan, ModelLayersGetTheMeasuredWarpsAndRuns) {
   struct Shape {
     std::uint32_t warps, run, copy;

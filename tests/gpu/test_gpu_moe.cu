@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -201,8 +202,8 @@ struct Call {
   void poison(std::size_t elems, cudaStream_t s) {
     check(cudaMemsetAsync(out.p, 0xFF, elems * 2, s), "poison");
   }
-  void run(const BoundMoe& b, std::uint32_t T) {
-    csfmoe::run(b, hidden.p, T, ids.p, id_type, weights.as<float>(), out.p);
+  void run(const BoundMoe& b, std::uint32_t T, std::optional<bool> scales_expanded = std::nullopt) {
+    csfmoe::run(b, hidden.p, T, ids.p, id_type, weights.as<float>(), out.p, scales_expanded);
   }
   std::vector<std::int32_t> ids32;
 };
@@ -596,6 +597,48 @@ TEST_F(GpuMoe, InvalidIdsContributeNothingAndAreCounted) {
         EXPECT_EQ(b.invalid_id_count(), 3u);
       }
   }
+}
+
+// scales_expanded chosen per call: one binding serves calls that stage-read
+// (or expand routed experts) and calls that read a scratch expanded ahead,
+// with the bits of the bindings frozen either way; and the query that says
+// ahead of time which calls read expanded scales agrees with the binding.
+TEST_F(GpuMoe, ScalesExpandedChosenPerCall) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g{16, 256, 128, 8, GateUpOrder::w13};
+  Layer l(ScaleFormat::nvfp4, g, seed, 256);
+  Call call(l.plan_csf, 256);
+  const BoundMoe per_call = bind(*l.csf, nullptr, 256, call.workspace(), false);
+  const BoundMoe frozen = bind(*l.csf, nullptr, 256, call.workspace(), true);
+  for (std::uint32_t T : {1u, 37u, 256u}) {
+    SCOPED_TRACE(T);
+    const Inputs in = random_inputs(rng, T, g);
+    const std::size_t elems = std::size_t{T} * g.hidden;
+    const auto once = [&](const BoundMoe& b, std::optional<bool> expanded) {
+      check(cudaMemset(l.scratch13.p, 0xFF, l.scratch13.n), "scratch poison");
+      check(cudaMemset(l.scratch2.p, 0xFF, l.scratch2.n), "scratch poison");
+      if (expanded.value_or(b.scales_expanded())) expand_scales(*l.csf, nullptr);
+      call.upload(in, nullptr);
+      call.poison(elems, nullptr);
+      call.run(b, T, expanded);
+      check(cudaDeviceSynchronize(), "run sync");
+      return download<std::uint16_t>(call.out.p, elems);
+    };
+    const auto ahead = once(per_call, true), ahead_frozen = once(frozen, std::nullopt);
+    EXPECT_TRUE(ahead == ahead_frozen) << "per-call expanded differs from a binding made expanded";
+    EXPECT_LT(relative_error(to_float(ahead), reference(l, in)), 1e-2);
+    const auto plain = once(per_call, std::nullopt), plain_override = once(frozen, false);
+    EXPECT_TRUE(plain == plain_override) << "per-call false differs from the binding's own choice";
+    EXPECT_LT(relative_error(to_float(plain), reference(l, in)), 1e-2);
+    const MoeScaleMode m = per_call.mode_for(T);
+    EXPECT_EQ(reads_expanded_scales(l.plan_csf, per_call.device_caps(), T, true),
+              m == MoeScaleMode::routed || m == MoeScaleMode::expanded);
+  }
+  // A layer without a scratch cannot read expanded scales.
+  const BoundMoe native = bind(*l.native, nullptr, 256, call.workspace(), false);
+  call.upload(random_inputs(rng, 4, g), nullptr);
+  EXPECT_THROW(call.run(native, 4, true), InvalidArgument);
 }
 
 TEST_F(GpuMoe, GraphCaptureReplaysWithNewInputs) {

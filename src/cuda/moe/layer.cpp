@@ -232,8 +232,8 @@ std::uint64_t moe_workspace_bytes(const MoePlan& plan, std::uint32_t max_tokens)
   return layout_of(plan, max_tokens).total;
 }
 
-MoeCallPlan BoundMoe::call_plan(std::uint32_t tokens) const {
-  return plan_call(weights_->plan(), caps_, tokens, scales_expanded_, weights_->scratch().has_value(),
+MoeCallPlan BoundMoe::call_plan(std::uint32_t tokens, bool scales_expanded) const {
+  return plan_call(weights_->plan(), caps_, tokens, scales_expanded, weights_->scratch().has_value(),
                    options_);
 }
 
@@ -310,10 +310,13 @@ BoundMoe bind(const MoeWeights& w, cudaStream_t stream, std::uint32_t max_tokens
 }
 
 void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void* topk_ids, IndexType id_type,
-         const float* topk_weights, void* out) {
+         const float* topk_weights, void* out, std::optional<bool> scales_expanded) {
   if (b.weights_ == nullptr) throw InvalidArgument("run: the binding is empty (use bind)");
   const MoeWeights& w = *b.weights_;
   const MoePlan& p = w.plan();
+  const bool expanded = scales_expanded.value_or(b.scales_expanded_);
+  if (expanded && (p.constraints.compression != ScaleCompression::csf || !w.scratch()))
+    throw InvalidArgument("run: scales_expanded = true needs a CSF layer prepared with a scale_scratch");
   const MoeLayerGeometry& g = p.geometry;
   if (tokens > b.max_tokens_)
     throw InvalidArgument(
@@ -339,7 +342,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
     if (lo(out) < lo(hidden) + act_bytes && lo(hidden) < lo(out) + act_bytes)
       throw InvalidArgument("run: out overlaps hidden");
   }
-  const MoeCallPlan plan = b.call_plan(tokens);
+  const MoeCallPlan plan = b.call_plan(tokens, expanded);
   const MoeScaleMode mode = plan.mode;
 
   const Layout l = layout_of(p, b.max_tokens_);

@@ -1,0 +1,424 @@
+// b12x / vLLM canonical CSF checkpoint planes: encode, validate, decode,
+// tensor-parallel slices and conversion to and from a CsfTensor
+// (docs/csf-format.md, "Canonical checkpoint planes").
+#include "csfmoe/b12x_planes.hpp"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <limits>
+
+#include "codec/csf_internal.hpp"
+
+namespace csfmoe {
+
+using namespace csf_internal;
+
+namespace {
+
+// Where the bases and codes of a row live in a fixed plane.
+struct PlaneLayout {
+  ScaleFormat format;
+  u32 rows, cols;
+  u32 row_bytes;    // code bytes per row
+  u64 slab_bytes;   // 16 bases + 16 rows of codes
+  unsigned window;  // 16 (NVFP4) or 2 (MXFP4)
+
+  explicit PlaneLayout(const PlaneShape& s)
+      : format(s.format),
+        rows(s.rows),
+        cols(s.cols),
+        row_bytes(s.format == kNv ? s.cols / 2 : (s.cols + 7) / 8),
+        slab_bytes(plane_slab_bytes(s.format, s.cols)),
+        window(csf_window(s.format)) {}
+
+  bool nv() const { return format == kNv; }
+  u8 max_base() const { return static_cast<u8>(256 - window); }
+  std::size_t base_at(u32 r) const {
+    return std::size_t{r / plane_slab_rows} * slab_bytes + r % plane_slab_rows;
+  }
+  std::size_t codes_at(u32 r) const {
+    return std::size_t{r / plane_slab_rows} * slab_bytes + plane_slab_rows +
+           std::size_t{r % plane_slab_rows} * row_bytes;
+  }
+  // Code of column c of a row whose codes start at `codes`.
+  u8 code(const u8* codes, u32 c) const {
+    return nv() ? static_cast<u8>((codes[c / 2] >> ((c & 1) * 4)) & 0xF)
+                : static_cast<u8>((codes[c / 8] >> (c % 8)) & 1);
+  }
+  void set_code(u8* codes, u32 c, u8 code) const {
+    if (nv())
+      codes[c / 2] = static_cast<u8>(codes[c / 2] | (code << ((c & 1) * 4)));
+    else
+      codes[c / 8] = static_cast<u8>(codes[c / 8] | (code << (c % 8)));
+  }
+};
+
+// Byte of a CsfTensor NVFP4 slab holding the code pair j (columns 2j, 2j + 1)
+// of row r: in the 128x4 nibble order a pair is one byte, (j / 2) * 256 +
+// row_in_group + j % 2 after the bases, even column in the low nibble as in
+// the plane, so planes and slabs trade whole bytes.
+std::size_t csf_code_pair_byte(u32 r, u32 j) {
+  return csf::slab_base_bytes(kNv) + std::size_t{j / 2} * csf::nvfp4_group_bytes +
+         csf::nvfp4_row_in_group(r) + j % 2;
+}
+
+// Byte j of v[x] is bit j of x.
+struct SpreadBits {
+  std::array<u64, 256> v{};
+  constexpr SpreadBits() {
+    for (unsigned x = 0; x < 256; ++x)
+      for (unsigned j = 0; j < 8; ++j)
+        if (x >> j & 1) v[x] |= u64{1} << (8 * j);
+  }
+};
+constexpr SpreadBits kSpreadBits{};
+static_assert(std::endian::native == std::endian::little, "kSpreadBits words are stored as bytes");
+
+void check_ranges(const PlaneShape& s, std::span<const AxisRange> rows, AxisRange cols,
+                  std::string_view name) {
+  const std::string what = fmt::format("{}: b12x CSF slice of grid {}", name, to_string(s));
+  if (rows.empty()) throw InvalidArgument(what + ": no row ranges given");
+  for (const AxisRange& r : rows) {
+    if (r.count == 0 || r.first + r.count > s.rows)
+      throw InvalidArgument(fmt::format("{}: row range [{}, {}) is empty or outside the {} rows", what,
+                                        r.first, r.first + r.count, s.rows));
+    if (r.first % plane_slab_rows != 0 || r.count % plane_slab_rows != 0)
+      throw InvalidArgument(fmt::format(
+          "{}: row range [{}, {}) does not start and end on a 16-row slab boundary (planes are cut per slab)",
+          what, r.first, r.first + r.count));
+  }
+  if (cols.count == 0 || cols.first + cols.count > s.cols)
+    throw InvalidArgument(fmt::format("{}: column range [{}, {}) is empty or outside the {} columns", what,
+                                      cols.first, cols.first + cols.count, s.cols));
+  if (s.format == kNv && (cols.first % 2 != 0 || cols.count % 2 != 0))
+    throw InvalidArgument(fmt::format(
+        "{}: column range [{}, {}) splits an NVFP4 code byte (first column and count must be even)", what,
+        cols.first, cols.first + cols.count));
+}
+
+}  // namespace
+
+std::string to_string(const PlaneShape& s) {
+  return fmt::format("[{}, {}] {}", s.rows, s.cols, to_string(s.format));
+}
+
+std::uint64_t plane_slab_bytes(ScaleFormat format, std::uint32_t cols) {
+  const u64 row_bytes = format == kNv ? cols / 2 : (u64{cols} + 7) / 8;
+  return plane_slab_rows * (1 + row_bytes);
+}
+
+void check_plane_shape(const PlaneShape& s, std::string_view name) {
+  if (!is_known(s.format))
+    throw InvalidArgument(
+        fmt::format("{}: b12x CSF planes: unknown scale format {}", name, unsigned(s.format)));
+  if (s.rows == 0 || s.cols == 0)
+    throw InvalidArgument(
+        fmt::format("{}: b12x CSF grid {}: rows and cols must both be at least 1", name, to_string(s)));
+  if (s.rows % plane_slab_rows != 0)
+    throw InvalidArgument(
+        fmt::format("{}: b12x CSF grid {}: rows must be a multiple of 16 (the planes hold 16-row slabs)",
+                    name, to_string(s)));
+  if (s.format == kNv && s.cols % 2 != 0)
+    throw InvalidArgument(fmt::format(
+        "{}: b12x CSF grid {}: NVFP4 cols must be even (two 4-bit codes per byte)", name, to_string(s)));
+  if (u64{s.rows} * s.cols > csf_max_positions)
+    throw InvalidArgument(
+        fmt::format("{}: b12x CSF grid {}: {} positions, but exception positions are 24-bit (at most {})",
+                    name, to_string(s), u64{s.rows} * s.cols, csf_max_positions));
+}
+
+CsfPlanes encode_planes(const PlaneShape& s, std::span<const std::uint8_t> native, std::string_view name) {
+  check_plane_shape(s, name);
+  const u64 want = u64{s.rows} * s.cols;
+  if (native.size() != want)
+    throw InvalidArgument(fmt::format("{}: b12x CSF encode: source holds {} bytes, expected {} for grid {}",
+                                      name, native.size(), want, to_string(s)));
+  const PlaneLayout L(s);
+  CsfPlanes out;
+  out.shape = s;
+  out.fixed.assign(plane_fixed_bytes(s), 0);
+  for (u32 r = 0; r < s.rows; ++r) {
+    const u8* row = native.data() + std::size_t{r} * s.cols;
+    const u8 base = window_base(s.format, row, s.cols).base;
+    out.fixed[L.base_at(r)] = base;
+    u8* codes = out.fixed.data() + L.codes_at(r);
+    for (u32 c = 0; c < s.cols; ++c) {
+      const u8 d = static_cast<u8>(row[c] - base);
+      if (d < L.window)
+        L.set_code(codes, c, d);
+      else
+        out.exceptions.push_back(csf::make_record(r * s.cols + c, row[c]));
+    }
+  }
+  return out;
+}
+
+void validate_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,
+                     std::span<const std::uint32_t> exceptions, std::string_view name) {
+  check_plane_shape(s, name);
+  const PlaneLayout L(s);
+  const u64 want = plane_fixed_bytes(s);
+  if (fixed.size() != want)
+    throw FormatError(
+        fmt::format("{}: b12x CSF fixed plane holds {} bytes, expected {} ({} slabs of {} bytes) for grid {}",
+                    name, fixed.size(), want, s.rows / plane_slab_rows, L.slab_bytes, to_string(s)));
+  const u8 max_base = L.max_base();
+  for (u32 r = 0; r < s.rows; ++r) {
+    const u8 base = fixed[L.base_at(r)];
+    if (base > max_base)
+      throw FormatError(
+          fmt::format("{}: b12x CSF fixed plane: row {} has base {}, above {} (the window [base, base + {}] "
+                      "must fit in a "
+                      "byte)",
+                      name, r, base, max_base, L.window - 1));
+    if (!L.nv() && s.cols % 8 != 0) {
+      const u8 last = fixed[L.codes_at(r) + s.cols / 8];
+      if (last >> (s.cols % 8))
+        throw FormatError(
+            fmt::format("{}: b12x CSF fixed plane: row {} has selector bits set past its last column {} "
+                        "(unused bits must "
+                        "be 0)",
+                        name, r, s.cols - 1));
+    }
+  }
+  const u64 positions = u64{s.rows} * s.cols;
+  for (std::size_t i = 0; i < exceptions.size(); ++i) {
+    const u32 rec = exceptions[i];
+    const u32 pos = csf::record_position(rec);
+    if (i > 0 && pos <= csf::record_position(exceptions[i - 1]))
+      throw FormatError(fmt::format(
+          "{}: b12x CSF exceptions: record {} has position {}, not above the previous record's {} (records "
+          "must be strictly increasing)",
+          name, i, pos, csf::record_position(exceptions[i - 1])));
+    if (pos >= positions)
+      throw FormatError(
+          fmt::format("{}: b12x CSF exceptions: record {} has position {}, outside the {}x{} grid", name, i,
+                      pos, s.rows, s.cols));
+    const u32 r = pos / s.cols, c = pos % s.cols;
+    if (const u8 code = L.code(fixed.data() + L.codes_at(r), c); code != 0)
+      throw FormatError(fmt::format(
+          "{}: b12x CSF exceptions: record {} (row {}, column {}) sits on a slot holding code {}, not on an "
+          "exception slot (code 0)",
+          name, i, r, c, code));
+    const u8 base = fixed[L.base_at(r)], v = csf::record_value(rec);
+    if (static_cast<u8>(v - base) < L.window)
+      throw FormatError(
+          fmt::format("{}: b12x CSF exceptions: record {} (row {}, column {}) stores byte 0x{:02x}, inside "
+                      "the row's window "
+                      "[{}, {}] (it must be a code)",
+                      name, i, r, c, v, base, base + L.window - 1));
+  }
+}
+
+void decode_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,
+                   std::span<const std::uint32_t> exceptions, std::span<std::uint8_t> native,
+                   std::string_view name) {
+  validate_planes(s, fixed, exceptions, name);
+  const u64 want = u64{s.rows} * s.cols;
+  if (native.size() != want)
+    throw InvalidArgument(
+        fmt::format("{}: b12x CSF decode: destination holds {} bytes, expected {} for grid {}", name,
+                    native.size(), want, to_string(s)));
+  const PlaneLayout L(s);
+  for (u32 r = 0; r < s.rows; ++r) {
+    const u8 base = fixed[L.base_at(r)];
+    const u8* codes = fixed.data() + L.codes_at(r);
+    u8* out = native.data() + std::size_t{r} * s.cols;
+    if (L.nv()) {
+      for (u32 j = 0; j < s.cols / 2; ++j) {
+        out[2 * j] = static_cast<u8>(base + (codes[j] & 0xF));
+        out[2 * j + 1] = static_cast<u8>(base + (codes[j] >> 4));
+      }
+    } else {
+      // Eight selector bits at once: each spread to a byte (0 or 1) plus the base; no lane carries.
+      const u64 bases = u64{base} * 0x0101010101010101ull;
+      u32 c = 0;
+      for (; c + 8 <= s.cols; c += 8) {
+        const u64 v = kSpreadBits.v[codes[c / 8]] + bases;
+        std::memcpy(out + c, &v, 8);
+      }
+      for (; c < s.cols; ++c) out[c] = static_cast<u8>(base + ((codes[c / 8] >> (c % 8)) & 1));
+    }
+  }
+  for (const u32 rec : exceptions) native[csf::record_position(rec)] = csf::record_value(rec);
+}
+
+std::vector<std::uint8_t> decode_planes(const CsfPlanes& planes, std::string_view name) {
+  check_plane_shape(planes.shape, name);
+  std::vector<u8> out(std::size_t{planes.shape.rows} * planes.shape.cols);
+  decode_planes(planes.shape, planes.fixed, planes.exceptions, out, name);
+  return out;
+}
+
+CsfPlanes slice_planes(const CsfPlanes& planes, std::span<const AxisRange> rows, AxisRange cols,
+                       std::string_view name) {
+  const PlaneShape& s = planes.shape;
+  validate_planes(s, planes.fixed, planes.exceptions, name);
+  check_ranges(s, rows, cols, name);
+  u64 out_rows = 0;
+  for (const AxisRange& r : rows) out_rows += r.count;
+  if (out_rows > std::numeric_limits<u32>::max())
+    throw InvalidArgument(fmt::format("{}: b12x CSF slice: {} rows in all, too many", name, out_rows));
+  const PlaneShape os{s.format, static_cast<u32>(out_rows), static_cast<u32>(cols.count)};
+  check_plane_shape(os, name);
+  const PlaneLayout in(s), out_layout(os);
+  CsfPlanes out;
+  out.shape = os;
+  out.fixed.assign(plane_fixed_bytes(os), 0);
+  const u32 c0 = static_cast<u32>(cols.first), nc = os.cols;
+  const auto by_position = [](u32 rec, u64 pos) { return csf::record_position(rec) < pos; };
+  u32 o = 0;  // first output row of the range
+  for (const AxisRange& range : rows) {
+    const u32 r0 = static_cast<u32>(range.first), n = static_cast<u32>(range.count);
+    for (u32 i = 0; i < n; ++i) {
+      out.fixed[out_layout.base_at(o + i)] = planes.fixed[in.base_at(r0 + i)];
+      const u8* src = planes.fixed.data() + in.codes_at(r0 + i);
+      u8* dst = out.fixed.data() + out_layout.codes_at(o + i);
+      if (in.nv()) {
+        std::memcpy(dst, src + c0 / 2, nc / 2);
+      } else {
+        for (u32 c = 0; c < nc; ++c) out_layout.set_code(dst, c, in.code(src, c0 + c));
+      }
+    }
+    const u64 first_pos = u64{r0} * s.cols, end_pos = u64{r0 + n} * s.cols;
+    auto it = std::lower_bound(planes.exceptions.begin(), planes.exceptions.end(), first_pos, by_position);
+    const auto end = std::lower_bound(it, planes.exceptions.end(), end_pos, by_position);
+    for (; it != end; ++it) {
+      const u32 pos = csf::record_position(*it), r = pos / s.cols, c = pos % s.cols;
+      if (c < c0 || c >= c0 + nc) continue;
+      out.exceptions.push_back(csf::make_record((o + r - r0) * nc + (c - c0), csf::record_value(*it)));
+    }
+    o += n;
+  }
+  return out;
+}
+
+CsfPlanes concat_planes(std::span<const CsfPlanes> parts, std::string_view name) {
+  if (parts.empty()) throw InvalidArgument(fmt::format("{}: b12x CSF concatenation: no parts given", name));
+  const PlaneShape first = parts[0].shape;
+  u64 rows = 0;
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    const PlaneShape& s = parts[i].shape;
+    if (s.format != first.format || s.cols != first.cols)
+      throw InvalidArgument(fmt::format(
+          "{}: b12x CSF concatenation: part {} has grid {}, part 0 has {} (format and columns must "
+          "agree)",
+          name, i, to_string(s), to_string(first)));
+    validate_planes(s, parts[i].fixed, parts[i].exceptions, fmt::format("{} part {}", name, i));
+    rows += s.rows;
+  }
+  if (rows > std::numeric_limits<u32>::max())
+    throw InvalidArgument(fmt::format("{}: b12x CSF concatenation: {} rows in all, too many", name, rows));
+  CsfPlanes out;
+  out.shape = {first.format, static_cast<u32>(rows), first.cols};
+  check_plane_shape(out.shape, name);
+  out.fixed.reserve(plane_fixed_bytes(out.shape));
+  u32 row0 = 0;
+  for (const CsfPlanes& part : parts) {
+    out.fixed.insert(out.fixed.end(), part.fixed.begin(), part.fixed.end());
+    const u32 shift = row0 * first.cols;  // row0 * cols < 2^24: the result passed check_plane_shape
+    for (const u32 rec : part.exceptions)
+      out.exceptions.push_back(csf::make_record(csf::record_position(rec) + shift, csf::record_value(rec)));
+    row0 += part.shape.rows;
+  }
+  return out;
+}
+
+CsfTensor planes_to_csf(std::span<const CsfPlanes> experts, std::string_view name) {
+  if (experts.empty())
+    throw InvalidArgument(fmt::format("{}: b12x CSF planes to CSF: no experts given", name));
+  const PlaneShape s = experts[0].shape;
+  check_plane_shape(s, name);
+  for (std::size_t e = 0; e < experts.size(); ++e) {
+    if (experts[e].shape != s)
+      throw InvalidArgument(fmt::format("{}: b12x CSF planes to CSF: expert {} has grid {}, expert 0 has {}",
+                                        name, e, to_string(experts[e].shape), to_string(s)));
+    validate_planes(s, experts[e].fixed, experts[e].exceptions, fmt::format("{} expert {}", name, e));
+  }
+  if (experts.size() > std::numeric_limits<u32>::max())
+    throw InvalidArgument(
+        fmt::format("{}: b12x CSF planes to CSF: {} experts, too many", name, experts.size()));
+  const u32 E = static_cast<u32>(experts.size()), R = s.rows, C = s.cols;
+  CsfGeometry g;
+  try {
+    g = CsfGeometry::of(GridShape{s.format, ScaleLayout::row_major, E, R, C});
+  } catch (const InvalidArgument& err) {
+    throw InvalidArgument(fmt::format("{}: b12x CSF planes to CSF: {}", name, err.what()));
+  }
+  const PlaneLayout L(s);
+  CsfTensor t;
+  t.geometry = g;
+  t.fixed.assign(g.fixed_bytes(), 0);
+  t.row_prefix.assign(g.total_rows() + 1, 0);
+  const Fixed fx{g, t.fixed.data()};
+  u64 total = 0;
+  for (std::size_t e = 0; e < E; ++e) total += experts[e].exceptions.size();
+  if (total > std::numeric_limits<u32>::max()) too_many_exceptions(g, total);
+  t.exceptions.reserve(total);
+  for (u32 e = 0; e < E; ++e) {
+    const CsfPlanes& p = experts[e];
+    if (L.nv()) {
+      for (u32 r = 0; r < R; ++r) {
+        fx.set_base(e, r, p.fixed[L.base_at(r)]);
+        const u8* codes = p.fixed.data() + L.codes_at(r);
+        u8* slab = fx.slab(e, r);
+        for (u32 j = 0; j < C / 2; ++j) slab[csf_code_pair_byte(r, j)] = codes[j];
+      }
+    } else {
+      // Same 16-row slabs, same columns (MXFP4 pads no column): byte for byte.
+      std::memcpy(fx.slab(e, 0), p.fixed.data(), p.fixed.size());
+    }
+    u32* counts = t.row_prefix.data() + std::size_t{e} * g.padded_rows + 1;
+    for (const u32 rec : p.exceptions) {
+      const u32 pos = csf::record_position(rec), r = pos / C, c = pos % C;
+      t.exceptions.push_back(csf::make_record(csf::position(r, c, g.padded_cols), csf::record_value(rec)));
+      ++counts[r];
+    }
+  }
+  for (std::size_t i = 1; i < t.row_prefix.size(); ++i) t.row_prefix[i] += t.row_prefix[i - 1];
+  finish_partition_index(t);
+  return t;
+}
+
+std::vector<CsfPlanes> csf_to_planes(const CsfTensor& tensor, std::string_view name) {
+  try {
+    validate(tensor);
+  } catch (const FormatError& err) {
+    throw FormatError(fmt::format("{}: {}", name, err.what()));
+  }
+  const CsfGeometry& g = tensor.geometry;
+  const PlaneShape s{g.shape.format, g.shape.rows, g.shape.cols};
+  check_plane_shape(s, name);
+  const PlaneLayout L(s);
+  const Fixed fx{g, const_cast<u8*>(tensor.fixed.data())};
+  const u32 R = s.rows, C = s.cols;
+  std::vector<CsfPlanes> out(g.shape.experts);
+  for (u32 e = 0; e < g.shape.experts; ++e) {
+    CsfPlanes& p = out[e];
+    p.shape = s;
+    p.fixed.assign(plane_fixed_bytes(s), 0);
+    if (L.nv()) {
+      for (u32 r = 0; r < R; ++r) {
+        p.fixed[L.base_at(r)] = fx.base(e, r);
+        const u8* slab = fx.slab(e, r);
+        u8* codes = p.fixed.data() + L.codes_at(r);
+        for (u32 j = 0; j < C / 2; ++j) codes[j] = slab[csf_code_pair_byte(r, j)];
+      }
+    } else {
+      std::memcpy(p.fixed.data(), fx.slab(e, 0), p.fixed.size());
+    }
+    const u32 first = tensor.row_prefix[std::size_t{e} * g.padded_rows];
+    const u32 last = tensor.row_prefix[std::size_t{e + 1} * g.padded_rows];
+    p.exceptions.reserve(last - first);
+    for (u32 i = first; i < last; ++i) {
+      const u32 rec = tensor.exceptions[i];
+      const u32 pos = csf::record_position(rec);
+      const u32 r = csf::position_row(pos, g.padded_cols), c = csf::position_col(pos, g.padded_cols);
+      p.exceptions.push_back(csf::make_record(r * C + c, csf::record_value(rec)));
+    }
+  }
+  return out;
+}
+
+}  // namespace csfmoe
