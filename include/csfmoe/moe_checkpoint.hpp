@@ -20,12 +20,17 @@
 // "csfmoe.scale_layout": "swizzled_128x4" (or the CSF descriptor does).
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "csfmoe/formats.hpp"
 #include "csfmoe/moe.hpp"
+#include "csfmoe/safetensors.hpp"
 
 namespace csfmoe {
 
@@ -41,5 +46,76 @@ MoeHostWeights load_moe_layer(const std::filesystem::path& checkpoint, std::stri
 // MoE layer keys that hold detected expert block-scale tensors, in natural
 // order ("layers.2" before "layers.10").
 std::vector<std::string> list_moe_layers(const std::filesystem::path& checkpoint);
+
+// The tensors the layer rules look at: a checkpoint's files (load_moe_layer)
+// or tensors already in memory (the Python package's gather_moe_layer).
+class MoeTensorSource {
+ public:
+  virtual ~MoeTensorSource() = default;
+  virtual std::string label() const = 0;  // the checkpoint, for layer-level messages
+  // The logical tensor (name, dtype, shape; offsets unused), or nullptr.
+  virtual const st::TensorInfo* find(const std::string& name) const = 0;
+  virtual std::vector<std::string> names_with_prefix(const std::string& prefix) const = 0;  // sorted
+  virtual std::string label_of(const std::string& name) const = 0;    // where the tensor is, for messages
+  virtual ScaleLayout layout_of(const std::string& scale) const = 0;  // layout of a scale tensor's bytes
+  // The tensor's bytes (CRC-checked where the source has CRCs). The rules
+  // read only global and input scales; load_moe_layer reads the rest.
+  virtual std::vector<std::uint8_t> read(const std::string& name) const = 0;
+  virtual std::vector<std::string> layers() const = 0;  // MoE layer keys held, for messages
+};
+
+// Tensors held elsewhere (in memory): each with its dtype, shape and, for a
+// scale tensor, the layout of its bytes; `reader` returns a tensor's bytes.
+class MoeTensorTable final : public MoeTensorSource {
+ public:
+  using Reader = std::function<std::vector<std::uint8_t>(const std::string& name)>;
+  MoeTensorTable(std::string label, Reader reader);
+  // InvalidArgument on a repeated name.
+  void add(std::string name, st::Dtype dtype, std::vector<std::uint64_t> shape,
+           ScaleLayout layout = ScaleLayout::row_major);
+
+  std::string label() const override { return label_; }
+  const st::TensorInfo* find(const std::string& name) const override;
+  std::vector<std::string> names_with_prefix(const std::string& prefix) const override;
+  std::string label_of(const std::string&) const override { return label_; }
+  ScaleLayout layout_of(const std::string& scale) const override;
+  std::vector<std::uint8_t> read(const std::string& name) const override;
+  std::vector<std::string> layers() const override;
+
+ private:
+  struct Entry {
+    st::TensorInfo info;
+    ScaleLayout layout = ScaleLayout::row_major;
+  };
+  std::string label_;
+  Reader reader_;
+  std::map<std::string, Entry> tensors_;
+};
+
+// One packed FP4 weight of a layer and its block scales, as checked.
+struct MoeLayerProjection {
+  std::string weight, scale;  // tensor names
+  ScaleLayout scale_layout = ScaleLayout::row_major;
+  std::uint64_t experts = 1;  // leading dimension (1 for a per-expert tensor)
+  std::uint64_t rows = 0, k = 0;
+};
+
+// A layer resolved by the rules above without reading its weights or block
+// scales. w13 / w2: one projection each (stacked, gpt-oss) or, per-expert,
+// w13 = gate 0, up 0, gate 1, up 1, ... and w2 = down 0, down 1, ...
+struct MoeLayerSpec {
+  std::string naming;  // "stacked", "gpt-oss" or "per-expert"
+  ScaleFormat format = ScaleFormat::nvfp4;
+  MoeLayerGeometry geometry;  // topk as asked, order w13
+  std::vector<MoeLayerProjection> w13, w2;
+  std::vector<float> w13_global, w2_global;  // [E]; ones for MXFP4
+  // [E] NVFP4 activation scales (w13: the gate's), checked finite and
+  // positive; empty when the layer has none.
+  std::vector<float> w13_input_scale, w2_input_scale;
+};
+
+// The checks and errors of load_moe_layer, on any source; plan_weights runs
+// with `topk`.
+MoeLayerSpec resolve_moe_layer(const MoeTensorSource& source, std::string_view layer_key, unsigned topk);
 
 }  // namespace csfmoe

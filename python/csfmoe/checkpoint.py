@@ -4,18 +4,14 @@ per-expert ModelOpt names)."""
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
-import re
-import struct
 from typing import Dict, List, Optional, Union
 
 import torch
 
 from . import _csfmoe as _C
 from . import ops
-from ._errors import FormatError, InvalidArgument, Unsupported
+from ._errors import FormatError, InvalidArgument
 from .scales import _DTYPE_BY_NAME, CsfScales
 
 __all__ = ["load_file", "load_checkpoint", "save_file", "is_csf_container", "stack_scales",
@@ -72,64 +68,53 @@ def _typed(raw: torch.Tensor, dtype_name: str, shape, what: str) -> torch.Tensor
 
 
 def load_file(path, device: Union[str, torch.device] = "cpu", decode: bool = False,
-              layout: Optional[str] = None, names=None) -> Dict[str, Loaded]:
+              layout: Optional[str] = None, names=None, threads: int = 0) -> Dict[str, Loaded]:
     """Read a safetensors file (plain, or a csfmoe container) into a dict.
 
     Native tensors come back as torch tensors on `device`. Each CSF-compressed
-    scale tensor comes back as CsfScales on `device` (validated on the host
-    first, so device kernels can trust it) or, with decode=True, as its native
-    tensor (dtype and shape of the original; `layout` picks the decoded
-    layout, default the source layout). `names` limits what is read."""
+    scale tensor comes back as CsfScales on `device` or, with decode=True, as
+    its native tensor (dtype and shape of the original; `layout` picks the
+    decoded layout, default the source layout). `names` limits what is read.
+
+    The C++ reader does the reading and the checks (csfmoe/checkpoint_reader.hpp).
+    In a container every tensor returned is first checked against the CRC32
+    of the restore record: a native tensor over its stored bytes, a CSF tensor
+    by validating its parts and decoding them once on the host (`threads`
+    threads). A mismatch raises CorruptData, malformed parts FormatError, each
+    naming the file and the tensor. A plain safetensors file has no CRCs: it
+    is only checked structurally."""
     device = torch.device(device)
     path = os.fspath(path)
     f = _C.SafetensorsFile(path)
     entries = f.csf_entries() or {}
-    part_of = {}
-    for name, e in entries.items():
-        for p in e["parts"]:
-            part_of[p] = name
     wanted = None if names is None else set(names)
     out: Dict[str, Loaded] = {}
     for info in f.tensors():
         name = info["name"]
-        if name in part_of:
-            continue
         if wanted is not None and name not in wanted:
             continue
-        raw = f.bytes(name)
-        out[name] = _typed(_place(raw, device), info["dtype"], info["shape"], f"{path}: tensor '{name}'")
-    for name, e in entries.items():
-        if wanted is not None and name not in wanted:
-            continue
-        out[name] = _load_csf(f, path, name, e, device, decode, layout)
+        what = f"{path}: tensor '{name}'"
+        if name in entries:
+            out[name] = _load_csf(f, name, entries[name], device, decode, layout, threads, what)
+        else:
+            out[name] = _typed(_place(f.bytes(name), device), info["dtype"], info["shape"], what)
     return out
 
 
-def _load_csf(f, path: str, name: str, e: dict, device, decode: bool, layout):
-    experts, rows, cols = (int(x) for x in e["grid"])
-    host = []
-    for part, dt in zip(e["parts"], ("U8", "U32", "U32", "U32")):
-        raw = f.bytes(part)
-        if dt == "U32":
-            if raw.numel() % 4:
-                raise FormatError(f"{path}: tensor '{part}': {raw.numel()} bytes is not a whole number of U32")
-            raw = raw.clone().view(torch.int32)
-        host.append(raw)
-    what = f"{path}: tensor '{name}'"
-    try:
-        csf = CsfScales(*host, format=e["format"], layout=e["layout"], experts=experts, rows=rows, cols=cols,
-                        dtype=_DTYPE_BY_NAME.get(e["dtype"], torch.uint8), shape=tuple(e["shape"]))
-        csf.validate()
-    except (InvalidArgument, FormatError) as err:
-        raise FormatError(f"{what}: {err}") from err
-    if decode:
-        native = csf.decompress(layout)
+def _load_csf(f, name: str, e: dict, device, decode: bool, layout, threads: int, what: str):
+    shape = tuple(int(x) for x in e["shape"])
+    dtype = _DTYPE_BY_NAME.get(e["dtype"], torch.uint8)
+    if decode and (layout is None or layout == e["layout"]):
+        native = f.read(name, threads).view(dtype).reshape(shape)
         return native if device.type == "cpu" else native.to(device)
-    if device.type == "cpu":
-        # fixed still views the mapping: own it.
-        csf.fixed = csf.fixed.clone()
-        return csf
-    return csf.to(device)
+    experts, rows, cols = (int(x) for x in e["grid"])
+    parts = f.csf_parts(name, threads)
+    csf = CsfScales(*parts, format=e["format"], layout=e["layout"], experts=experts, rows=rows, cols=cols,
+                    dtype=dtype, shape=shape, validated=True, crc32=int(e["crc32"]), origin=what)
+    if decode:
+        native = csf.decompress(layout, threads)
+        return native if device.type == "cpu" else native.to(device)
+    return csf if device.type == "cpu" else csf.to(device)
 
 
 _ST_NAME = {}
@@ -139,13 +124,12 @@ for _k, _v in _TORCH_DTYPES.items():
 
 
 def save_file(tensors: Dict[str, Loaded], path, metadata: Optional[Dict[str, str]] = None) -> None:
-    """Write a plain safetensors file (overwriting `path`). CsfScales are
-    written as their native tensor (decoded on the CPU); `csf compress` /
-    compress_checkpoint makes a container of the result."""
-    header: Dict[str, object] = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    blobs, off = [], 0
+    """Write a plain safetensors file at `path`, which must not exist. CsfScales
+    are written as their native tensor (decoded on the CPU); `csf compress` /
+    compress_checkpoint makes a container of the result. The C++ writer
+    builds the file as a temporary beside `path` and renames it into place
+    when complete: a failed call leaves nothing behind."""
+    items = []
     for name, t in tensors.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
             raise InvalidArgument(f"save_file: {path}: invalid tensor name {name!r}")
@@ -157,43 +141,28 @@ def save_file(tensors: Dict[str, Loaded], path, metadata: Optional[Dict[str, str
         dt = _ST_NAME.get(t.dtype)
         if dt is None:
             raise InvalidArgument(f"save_file: {path}: tensor '{name}': dtype {t.dtype} has no safetensors name")
-        # Own, contiguous host bytes (clone: no storage offset, no aliasing).
-        b = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).clone()
-        header[name] = {"dtype": dt, "shape": [int(s) for s in t.shape], "data_offsets": [off, off + b.numel()]}
-        blobs.append(b)
-        off += b.numel()
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)  # data starts 8-byte aligned
-    with open(os.fspath(path), "wb") as fh:
-        fh.write(struct.pack("<Q", len(h)))
-        fh.write(h)
-        for b in blobs:
-            if b.numel():
-                fh.write(ctypes.string_at(b.data_ptr(), b.numel()))
-
-
-def _shard_files(folder: str) -> List[str]:
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, "rb") as fh:
-            weight_map = json.load(fh).get("weight_map", {})
-        shards = list(dict.fromkeys(weight_map.values()))
-        for s in shards:
-            if os.path.basename(s) != s or s in (".", ".."):
-                raise FormatError(f"{index}: shard name '{s}' is not a plain file name")
-        return [os.path.join(folder, s) for s in shards]
-    return sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))
+        # Contiguous host bytes (a view where the tensor allows it).
+        b = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        items.append((name, dt, [int(s) for s in t.shape], b))
+    md = None if metadata is None else {str(k): str(v) for k, v in metadata.items()}
+    _C.save_safetensors(os.fspath(path), items, md)
 
 
 def load_checkpoint(path, device: Union[str, torch.device] = "cpu", decode: bool = False,
-                    layout: Optional[str] = None, names=None) -> Dict[str, Loaded]:
-    """load_file over a file or a (sharded) checkpoint folder."""
+                    layout: Optional[str] = None, names=None, threads: int = 0) -> Dict[str, Loaded]:
+    """load_file over a file or a (sharded) checkpoint folder: the shards
+    that model.safetensors.index.json names, or else every *.safetensors
+    file in the folder. A tensor name found in two shards is a FormatError."""
     path = os.fspath(path)
-    if not os.path.isdir(path):
-        return load_file(path, device, decode, layout, names)
     out: Dict[str, Loaded] = {}
-    for shard in _shard_files(path):
-        out.update(load_file(shard, device, decode, layout, names))
+    where: Dict[str, str] = {}
+    for shard in _C.checkpoint_files(path):
+        shard = os.fspath(shard)
+        for name, t in load_file(shard, device, decode, layout, names, threads).items():
+            if name in where:
+                raise FormatError(f"{shard}: tensor '{name}' is also in {where[name]}")
+            where[name] = shard
+            out[name] = t
     return out
 
 
@@ -242,44 +211,10 @@ def stack_scales(items: List[CsfScales]) -> CsfScales:
 
 
 # ---------------------------------------------------------------------------
-# gather_moe_layer: the rules of the C++ load_moe_layer (src/moe/moe_checkpoint.cpp)
+# gather_moe_layer: the C++ layer rules (resolve_moe_layer) decide; the torch
+# glue below only assembles what they resolved.
 # ---------------------------------------------------------------------------
-# Per-expert projection names (gate, up, down), as the C++ loader knows them.
-_PER_EXPERT = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-_NUM_RE = re.compile(r"[0-9]{1,9}")
-_SCALE_DTYPES = {
-    "nvfp4": tuple(d for d in (getattr(torch, "float8_e4m3fn", None), torch.uint8) if d is not None),
-    "mxfp4": tuple(d for d in (torch.uint8, getattr(torch, "float8_e8m0fnu", None)) if d is not None),
-}
 _GROUP = {"nvfp4": 16, "mxfp4": 32}
-_SHOW = 8  # missing tensor names an error lists before "and N more"
-
-
-def _natural_key(s: str):
-    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"([0-9]+)", s) if p]
-
-
-def _layer_keys(tensors) -> List[str]:
-    """MoE layer keys of the block-scale tensors in `tensors` (for messages)."""
-    keys = set()
-    for n in tensors:
-        if n.endswith(".weight_scale") or n.endswith("_scales"):
-            pos = n.rfind(".experts.")
-            if pos >= 0:
-                keys.add(n[:pos + len(".experts")])
-            elif n.startswith("experts."):
-                keys.add("experts")
-    return sorted(keys, key=_natural_key)
-
-
-def _names(names) -> str:
-    names = list(names)
-    shown = ", ".join(f"'{n}'" for n in names[:_SHOW])
-    return shown + (f" and {len(names) - _SHOW} more" if len(names) > _SHOW else "")
-
-
-def _shape(x) -> List[int]:
-    return [int(s) for s in x.shape]
 
 
 def _unswizzle(raw: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -290,103 +225,6 @@ def _unswizzle(raw: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     flat = raw.reshape(-1, rp * cp).view(torch.uint8)
     out = flat[:, idx.to(raw.device)]
     return out.reshape(*raw.shape[:-2], rows, cols).view(raw.dtype)
-
-
-class _Reader:
-    """Checks and reads one layer's tensors; every error names the layer."""
-
-    def __init__(self, tensors, layer: str, scale_layout: str):
-        self.t, self.layer, self.scale_layout = tensors, layer, scale_layout
-
-    def fail(self, name: str, why: str):
-        raise FormatError(f"gather_moe_layer: layer '{self.layer}': tensor '{name}': {why}")
-
-    def require(self, names, layout: str) -> None:
-        missing = [n for n in names if n not in self.t]
-        if missing:
-            raise FormatError(f"gather_moe_layer: layer '{self.layer}' ({layout} layout): missing tensors "
-                              f"{_names(missing)}")
-
-    def fp4(self, wname: str, sname: str, stacked: bool, blocks: bool):
-        """(weight [E?, R, K/2], scales row-major [E?, R, K/g] as tensor or
-        CsfScales, format, E, R, K): C++ LayerReader::fp4."""
-        w, s = self.t[wname], self.t[sname]
-        lead = 1 if stacked else 0
-        if not isinstance(w, torch.Tensor) or w.dtype != torch.uint8:
-            self.fail(wname, f"packed FP4 weight must be uint8, got {getattr(w, 'dtype', type(w).__name__)}")
-        rank = lead + (3 if blocks else 2)
-        if w.dim() != rank or (blocks and w.shape[-1] != 16):
-            want = ("[E, R, K/32, 16]" if stacked else "[R, K/32, 16]") if blocks else (
-                "[E, R, K/2]" if stacked else "[R, K/2]")
-            self.fail(wname, f"shape {_shape(w)} is not {want}")
-        e = int(w.shape[0]) if stacked else 1
-        r = int(w.shape[lead])
-        k = int(w.shape[lead + 1]) * (32 if blocks else 2)
-        if e == 0 or r == 0 or k == 0:
-            self.fail(wname, f"empty shape {_shape(w)}")
-        csf = isinstance(s, CsfScales)
-        if not csf and not isinstance(s, torch.Tensor):
-            self.fail(sname, f"expected a tensor or CsfScales, got {type(s).__name__}")
-        layout = s.layout if csf else self.scale_layout
-        shape = tuple(int(x) for x in s.shape)
-        if len(shape) != lead + 2 or (stacked and shape[0] != e):
-            self.fail(sname, f"shape {list(shape)} does not match weight '{wname}' {_shape(w)}")
-        rs, cs = shape[-2:]
-        fmt = None
-        for f in ("nvfp4", "mxfp4"):
-            g = _GROUP[f]
-            if k % g or (blocks and f != "mxfp4"):
-                continue
-            want_r, want_c = r, k // g
-            if layout == "swizzled_128x4":
-                want_r, want_c = -(-want_r // 128) * 128, -(-want_c // 4) * 4
-            if (rs, cs) == (want_r, want_c):
-                fmt = f
-                break
-        if fmt is None:
-            self.fail(sname, f"{layout} scale grid {list(shape)} matches neither K/16 nor K/32 blocks of weight "
-                             f"'{wname}' {_shape(w)} (K = {k})")
-        if s.dtype not in _SCALE_DTYPES[fmt]:
-            names = " or ".join(str(d).replace("torch.", "") for d in _SCALE_DTYPES[fmt])
-            self.fail(sname, f"{fmt} block scale must be {names}, got {str(s.dtype).replace('torch.', '')}")
-        if csf and s.format != fmt:
-            self.fail(sname, f"CSF entry says {s.format}, the weight '{wname}' geometry says {fmt}")
-        c = k // _GROUP[fmt]
-        # Scales leave row-major [E?, R, K/g], as the MoE API takes them.
-        if layout != "row_major" and not csf:
-            s = _unswizzle(s, r, c)
-        elif layout != "row_major" and (rs, cs) != (r, c):
-            # A padded swizzled grid decodes to [E, Rp, Cp]: keep the true grid.
-            # (An aligned one decodes to the row-major grid as is: stays CSF.)
-            full = s.decompress("row_major").reshape(e, rs, cs)
-            s = full[:, :r, :c].contiguous().reshape(*shape[:-2], r, c)
-        return (w.reshape(e, r, k // 2) if stacked else w), s, fmt, e, r, k
-
-    def globals(self, name: str, experts: int, stacked: bool) -> torch.Tensor:
-        """float32 [E] from [] / [1] (broadcast) or [E] (stacked only)."""
-        t = self.t[name]
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-            self.fail(name, f"global scale must be float32, got {getattr(t, 'dtype', type(t).__name__)}")
-        one = t.dim() == 0 or tuple(t.shape) == (1,)
-        if not one and not (stacked and tuple(t.shape) == (experts,)):
-            self.fail(name, f"global scale shape {_shape(t)} is not [], [1]" + (f" or [{experts}]" if stacked else ""))
-        bad = (~torch.isfinite(t.reshape(-1))).nonzero()
-        if bad.numel():
-            i = int(bad[0])
-            self.fail(name, f"global scale [{i}] is {float(t.reshape(-1)[i])}")
-        v = t.reshape(-1).cpu()
-        return (v.expand(experts) if one else v).contiguous()
-
-    def no_global(self, name: str) -> None:
-        if name in self.t:
-            raise Unsupported(f"gather_moe_layer: layer '{self.layer}': tensor '{name}': an MXFP4 layer with a "
-                              "global scale is not supported (the MoE API applies none to MXFP4)")
-
-    def check_pair(self, f13, e13, r13, k13, n13, f2, e2, r2, k2, n2) -> None:
-        if f13 != f2 or e13 != e2 or r13 % 2 or r2 != k13 or k2 * 2 != r13:
-            raise FormatError(
-                f"gather_moe_layer: layer '{self.layer}': '{n13}' ({f13} E={e13} rows={r13} K={k13}) and '{n2}' "
-                f"({f2} E={e2} rows={r2} K={k2}) are not the [E, 2N, H] / [E, H, N] pair of one layer")
 
 
 def _native(s):
@@ -404,9 +242,53 @@ def _cat_scales(items):
     return torch.stack([_native(s) for s in items])
 
 
+def _layer_table(tensors, scale_layout: str) -> dict:
+    """name -> (safetensors dtype, shape, scale layout) for the C++ rules."""
+    out = {}
+    for name, t in tensors.items():
+        if isinstance(t, CsfScales):
+            out[name] = (_ST_NAME.get(t.dtype, "U8"), [int(x) for x in t.shape], t.layout)
+        elif isinstance(t, torch.Tensor) and t.dtype in _ST_NAME:
+            out[name] = (_ST_NAME[t.dtype], [int(x) for x in t.shape], scale_layout)
+    return out
+
+
+def _tensor_bytes(tensors):
+    def read(name: str) -> torch.Tensor:
+        t = tensors[name]
+        if isinstance(t, CsfScales):
+            t = t.decompress()
+        return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return read
+
+
+def _weight(tensors, p: dict, stacked: bool) -> torch.Tensor:
+    w = tensors[p["weight"]]
+    rows, half = int(p["rows"]), int(p["k"]) // 2
+    return w.reshape(int(p["experts"]), rows, half) if stacked else w.reshape(rows, half)
+
+
+def _scales(tensors, p: dict, fmt: str):
+    """The projection's scales as row-major [E?, R, K/g]: a tensor or CsfScales."""
+    s = tensors[p["scale"]]
+    r, c = int(p["rows"]), int(p["k"]) // _GROUP[fmt]
+    if p["scale_layout"] == "row_major":
+        return s
+    shape = tuple(int(x) for x in s.shape)
+    if not isinstance(s, CsfScales):
+        return _unswizzle(s, r, c)
+    if shape[-2:] == (r, c):
+        return s  # an aligned swizzled grid decodes to the row-major grid as is: stays CSF
+    # A padded swizzled grid decodes to [E, Rp, Cp]: keep the true grid.
+    full = s.decompress("row_major").reshape(int(p["experts"]), *shape[-2:])
+    return full[:, :r, :c].contiguous().reshape(*shape[:-2], r, c)
+
+
 def gather_moe_layer(tensors: Dict[str, Loaded], layer: str, scale_layout: str = "row_major") -> Dict[str, object]:
-    """Collect one MoE layer from loaded tensors (load_file / load_checkpoint),
-    with the rules of the C++ load_moe_layer (csfmoe/moe_checkpoint.hpp).
+    """Collect one MoE layer from loaded tensors (load_file / load_checkpoint).
+    The C++ layer rules decide (resolve_moe_layer in csfmoe/moe_checkpoint.hpp,
+    the checks and messages of load_moe_layer and `csf moe --checkpoint`);
+    this function assembles the torch tensors they name.
 
     Layouts, for a layer key L such as "model.layers.3.mlp.experts":
       stacked (csf synth, ModelOpt names): L.w13.weight [E, 2N, H/2],
@@ -425,136 +307,37 @@ def gather_moe_layer(tensors: Dict[str, Loaded], layer: str, scale_layout: str =
     then up rows), w2 uint8 [E, H, N/2], w13_scale / w2_scale row-major
     [E, rows, K/g] as tensors or CsfScales (stacked CSF scales pass through
     undecoded), w13_global / w2_global float32 [E] (ones for MXFP4), and
-    w13_input_scale / w2_input_scale float32 [E] when the layer has them.
+    w13_input_scale / w2_input_scale float32 [E] when an NVFP4 layer has them
+    (checked finite and positive).
     Raises InvalidArgument when no layout matches (naming the layers the
     tensors hold), FormatError for missing or malformed tensors and
     Unsupported where the C++ loader refuses (expert biases, gate and up
     global scales that differ, MXFP4 global scales)."""
     ops._check_choice("scale_layout", scale_layout, ops.LAYOUTS)
-    L = layer
-    rd = _Reader(tensors, L, scale_layout)
-    found = []
-    if f"{L}.w13.weight" in tensors or f"{L}.w13.weight_scale" in tensors:
-        found.append("stacked")
-    if f"{L}.gate_up_proj_blocks" in tensors or f"{L}.gate_up_proj_scales" in tensors:
-        found.append("gpt-oss")
-    ids, naming = set(), set()
-    pre = L + "."
-    for n in tensors:
-        if not n.startswith(pre):
-            continue
-        num, dot, proj = n[len(pre):].partition(".")
-        if not dot or not _NUM_RE.fullmatch(num):
-            continue
-        for i, trio in enumerate(_PER_EXPERT):
-            if any(proj.startswith(p + ".") for p in trio):
-                naming.add(i)
-                ids.add(int(num))
-    if ids:
-        found.append("per-expert")
-    if not found:
-        keys = _layer_keys(tensors)
-        raise InvalidArgument(
-            f"gather_moe_layer: no MoE layer '{L}': none of '{L}.w13.weight' + '{L}.w13.weight_scale' (stacked), "
-            f"'{L}.gate_up_proj_blocks' + '{L}.gate_up_proj_scales' (gpt-oss) or '{L}.<e>.gate_proj.weight' ... "
-            f"(per-expert) is there; layers found: {', '.join(keys) if keys else 'none'}")
-    if len(found) > 1 or len(naming) > 1:
-        raise FormatError(f"gather_moe_layer: layer '{L}' mixes stacked, gpt-oss and per-expert tensor names")
-
-    out: Dict[str, object] = {}
-    if found[0] != "per-expert":
-        oss = found[0] == "gpt-oss"
-        # The MoE API has no expert biases: running without them would be silently wrong.
-        for b in (".gate_up_proj_bias", ".down_proj_bias", ".w13.bias", ".w2.bias"):
-            if L + b in tensors:
-                raise Unsupported(f"gather_moe_layer: tensor '{L}{b}': expert biases are not supported by the MoE API")
-        n13, s13n = (f"{L}.gate_up_proj_blocks", f"{L}.gate_up_proj_scales") if oss else (
-            f"{L}.w13.weight", f"{L}.w13.weight_scale")
-        n2, s2n = (f"{L}.down_proj_blocks", f"{L}.down_proj_scales") if oss else (
-            f"{L}.w2.weight", f"{L}.w2.weight_scale")
-        rd.require((n13, s13n, n2, s2n), found[0])
-        w13, s13, f13, e13, r13, k13 = rd.fp4(n13, s13n, True, oss)
-        w2, s2, f2, e2, r2, k2 = rd.fp4(n2, s2n, True, oss)
-        rd.check_pair(f13, e13, r13, k13, n13, f2, e2, r2, k2, n2)
-        E, fmt = e13, f13
-        out.update(format=fmt, w13=w13, w2=w2, w13_scale=s13, w2_scale=s2)
-        if fmt == "nvfp4":
-            g13n, g2n = f"{L}.w13.weight_scale_2", f"{L}.w2.weight_scale_2"
-            rd.require((g13n, g2n), found[0])
-            out["w13_global"], out["w2_global"] = rd.globals(g13n, E, True), rd.globals(g2n, E, True)
-        else:
-            if not oss:
-                rd.no_global(f"{L}.w13.weight_scale_2")
-                rd.no_global(f"{L}.w2.weight_scale_2")
-            out["w13_global"], out["w2_global"] = torch.ones(E), torch.ones(E)
-        for key, name in (("w13_input_scale", f"{L}.w13.input_scale"), ("w2_input_scale", f"{L}.w2.input_scale")):
-            if name in tensors:
-                out[key] = rd.globals(name, E, True)
+    spec = _C.resolve_moe_layer(_layer_table(tensors, scale_layout), layer, 1, _tensor_bytes(tensors),
+                                "gather_moe_layer")
+    fmt, E = spec["format"], int(spec["experts"])
+    out: Dict[str, object] = {"format": fmt}
+    if spec["naming"] != "per-expert":
+        p13, p2 = spec["w13"][0], spec["w2"][0]
+        out.update(w13=_weight(tensors, p13, True), w2=_weight(tensors, p2, True),
+                   w13_scale=_scales(tensors, p13, fmt), w2_scale=_scales(tensors, p2, fmt))
     else:
-        E = max(ids) + 1
-        if E > 1024:  # MoePlan::kMaxExperts
-            raise InvalidArgument(f"gather_moe_layer: layer '{L}': expert index {E - 1} exceeds the MoE API's 1024 "
-                                  "experts")
-        gate, up, down = _PER_EXPERT[next(iter(naming))]
-        need = [f"{L}.{e}.{p}.{leaf}" for e in range(E) for p in (gate, up, down)
-                for leaf in ("weight", "weight_scale")]
-        rd.require(need, "per-expert")
-        w13, w2, s13, s2, g13, g2, i13, i2 = [], [], [], [], [], [], [], []
-        fmt = h = n = None
+        w13, w2, s13, s2 = [], [], [], []
         for e in range(E):
-            p = f"{L}.{e}."
-            ng, nu, nd = p + gate + ".weight", p + up + ".weight", p + down + ".weight"
-            gw, gs, gf, _, gr, gk = rd.fp4(ng, ng + "_scale", False, False)
-            uw, us, uf, _, ur, uk = rd.fp4(nu, nu + "_scale", False, False)
-            dw, ds, df, _, dr, dk = rd.fp4(nd, nd + "_scale", False, False)
-            if (gf, gr, gk) != (uf, ur, uk):
-                raise FormatError(f"gather_moe_layer: layer '{L}': '{ng}' ({gf} {gr}x{gk}) and '{nu}' ({uf} {ur}x{uk}) "
-                                  "differ")
-            rd.check_pair(gf, 1, 2 * gr, gk, f"{ng} + {nu}", df, 1, dr, dk, nd)
-            if e == 0:
-                fmt, h, n = gf, gk, gr
-            elif (gf, gk, gr) != (fmt, h, n):
-                raise FormatError(f"gather_moe_layer: layer '{L}': expert {e} ('{ng}': {gf} N={gr} H={gk}) differs "
-                                  f"from expert 0 ({fmt} N={n} H={h})")
-            w13.append(torch.cat([gw, uw]))
-            w2.append(dw)
+            g, u, d = spec["w13"][2 * e], spec["w13"][2 * e + 1], spec["w2"][e]
+            w13.append(torch.cat([_weight(tensors, g, False), _weight(tensors, u, False)]))
+            w2.append(_weight(tensors, d, False))
+            gs, us = _scales(tensors, g, fmt), _scales(tensors, u, fmt)
             if isinstance(gs, CsfScales) or isinstance(us, CsfScales):
                 # Separate grids in the file; the layer's w13 grid is [gate; up]
                 # of 2N rows, so it is re-encoded (exact).
                 s13.append(CsfScales.compress(torch.cat([_native(gs), _native(us)]), fmt))
             else:
                 s13.append(torch.cat([gs, us]))
-            s2.append(ds)
-            if fmt == "nvfp4":
-                rd.require((ng + "_scale_2", nu + "_scale_2", nd + "_scale_2"), "per-expert")
-                a, b = rd.globals(ng + "_scale_2", 1, False), rd.globals(nu + "_scale_2", 1, False)
-                # Bitwise, as the C++ loader compares them.
-                if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
-                    raise Unsupported(
-                        f"gather_moe_layer: layer '{L}': '{ng}_scale_2' ({float(a)}) and '{nu}_scale_2' ({float(b)}) "
-                        "differ; the MoE API has one global scale per expert for the fused gate/up projection, so "
-                        "this checkpoint would need requantization")
-                g13.append(a)
-                g2.append(rd.globals(nd + "_scale_2", 1, False))
-            else:
-                for x in (ng, nu, nd):
-                    rd.no_global(x + "_scale_2")
-            for acc, name in ((i13, p + gate + ".input_scale"), (i2, p + down + ".input_scale")):
-                if name in tensors:
-                    acc.append(rd.globals(name, 1, False))
-        out.update(format=fmt, w13=torch.stack(w13), w2=torch.stack(w2), w13_scale=_cat_scales(s13),
-                   w2_scale=_cat_scales(s2))
-        if fmt == "nvfp4":
-            out["w13_global"], out["w2_global"] = torch.cat(g13), torch.cat(g2)
-        else:
-            out["w13_global"], out["w2_global"] = torch.ones(E), torch.ones(E)
-        if len(i13) == E:
-            out["w13_input_scale"] = torch.cat(i13)
-        if len(i2) == E:
-            out["w2_input_scale"] = torch.cat(i2)
-    h, n = int(out["w13"].shape[2]) * 2, int(out["w2"].shape[2]) * 2
-    try:
-        _C.moe_plan(out["format"], E, h, n, 1, "w13", "none", 4096, 1536, "row_major")
-    except InvalidArgument as err:
-        raise InvalidArgument(f"gather_moe_layer: layer '{L}' (E={E} H={h} N={n}): {err}") from err
+            s2.append(_scales(tensors, d, fmt))
+        out.update(w13=torch.stack(w13), w2=torch.stack(w2), w13_scale=_cat_scales(s13), w2_scale=_cat_scales(s2))
+    for key in ("w13_global", "w2_global", "w13_input_scale", "w2_input_scale"):
+        if spec[key]:
+            out[key] = torch.tensor(spec[key], dtype=torch.float32)
     return out

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import _csfmoe as _C
 from . import ops
-from ._errors import InvalidArgument
+from ._errors import CorruptData, InvalidArgument
 
 _DTYPE_BY_NAME = {
     "U8": torch.uint8,
@@ -19,7 +20,7 @@ _DTYPE_BY_NAME = {
 }
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class CsfScales:
     """A CSF-encoded block-scale tensor.
 
@@ -41,6 +42,10 @@ class CsfScales:
     dtype: torch.dtype = torch.uint8
     shape: Optional[Tuple[int, ...]] = None  # native shape in `layout`; default (E, R, C)
     validated: bool = False  # the host parts passed csfmoe::validate
+    # CRC32 of the native tensor in `layout` (from a container), checked by
+    # decompress() to that layout; `origin` names it in errors ("file: tensor 'x'").
+    crc32: Optional[int] = None
+    origin: Optional[str] = None
 
     def __post_init__(self) -> None:
         ops._check_parts(self.fixed, self.exceptions, self.row_prefix, self.partition_index, self.format,
@@ -48,6 +53,14 @@ class CsfScales:
         if self.shape is None:
             self.shape = ops.native_shape(self.layout, self.format, self.experts, self.rows, self.cols)
         self.shape = tuple(int(s) for s in self.shape)
+
+    def __repr__(self) -> str:
+        # Short on purpose: the parts can hold megabytes.
+        src = self.source_nbytes
+        ratio = f"{100.0 * self.nbytes / src:.1f}%" if src else "n/a"
+        dtype = str(self.dtype).replace("torch.", "")
+        return (f"CsfScales({self.format}, {self.layout}, shape={list(self.shape)}, dtype={dtype}, "
+                f"stored={self.nbytes} of {src} bytes ({ratio}), device={self.device})")
 
     # -- construction -------------------------------------------------------
     @classmethod
@@ -143,6 +156,11 @@ class CsfScales:
         host = [t.cpu() for t in self.parts]
         raw = torch.ops.csfmoe.decompress_scales(*host, self.format, self.layout, self.experts, self.rows,
                                                  self.cols, layout, threads, self.validated)
+        if self.crc32 is not None and layout == self.layout:
+            got = zlib.crc32(raw.numpy())
+            if got != self.crc32:
+                raise CorruptData(f"{self.origin or 'CsfScales'}: CRC32 of the decoded tensor is {got:08x}, "
+                                  f"expected {self.crc32:08x}")
         return self._view(raw, layout)
 
     def new_scratch(self, layout: Optional[str] = None) -> torch.Tensor:

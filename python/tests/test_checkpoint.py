@@ -443,3 +443,23 @@ def test_save_file_roundtrip(gen, tmp_path):
         csfmoe.checkpoint.save_file({"__metadata__": torch.zeros(1)}, path)
     with pytest.raises(csfmoe.InvalidArgument, match="expected a torch.Tensor"):
         csfmoe.checkpoint.save_file({"x": [1, 2]}, path)
+
+
+def test_gather_runs_the_cpp_layer_rules(gen):
+    """gather_moe_layer is checked by the C++ rules (resolve_moe_layer): a rule
+    added there (activation scales must be positive) holds here too, and an
+    NVFP4 layer's input scales come back as the loader reads them."""
+    gather = csfmoe.checkpoint.gather_moe_layer
+    pre = "model.layers.0.mlp.experts"
+    t = stacked_dict(gen)
+    good = dict(t)
+    good[f"{pre}.w13.input_scale"] = torch.rand(2, generator=gen) + 0.5
+    good[f"{pre}.w2.input_scale"] = torch.tensor(0.25)
+    L = gather(good, pre)
+    assert torch.equal(L["w13_input_scale"], good[f"{pre}.w13.input_scale"])
+    assert torch.equal(L["w2_input_scale"], torch.full((2,), 0.25))
+    for bad_value in (0.0, -1.0):
+        bad = dict(good)
+        bad[f"{pre}.w2.input_scale"] = torch.tensor([bad_value])
+        with pytest.raises(csfmoe.FormatError, match=rf"'{pre}.w2.input_scale': input scale \[0\] is .* positive"):
+            gather(bad, pre)
