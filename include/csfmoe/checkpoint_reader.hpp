@@ -35,8 +35,10 @@ struct CsfEntryInfo {
   std::uint32_t crc32 = 0;  // of the original tensor bytes
   std::uint64_t exceptions = 0;
   std::string layer;  // MoE layer key, or ""
-  // Names of the fixed / exceptions / row_prefix / partition_index part tensors.
-  std::string part_fixed, part_exceptions, part_row_prefix, part_partition_index;
+  // How the parts are stored ("resident", "planes" or "b12x";
+  // docs/container-format.md) and the names of the part tensors.
+  std::string storage;
+  std::vector<std::string> parts;
 };
 
 // A block-scale tensor that a container keeps native, and why.

@@ -117,7 +117,8 @@ struct OpenFile {
       d["crc32"] = e.crc32;
       d["exceptions"] = e.exceptions;
       d["layer"] = e.layer;
-      d["parts"] = nb::make_tuple(e.part_fixed, e.part_exceptions, e.part_row_prefix, e.part_partition_index);
+      d["storage"] = e.storage;
+      d["parts"] = nb::tuple(nb::cast(e.parts));
       out[nb::str(e.name.c_str(), e.name.size())] = d;
     }
     return out;

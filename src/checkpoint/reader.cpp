@@ -89,9 +89,9 @@ CheckpointFile CheckpointFile::open(const fs::path& path) {
     if (!impl->logical.find(e.name))
       throw FormatError(
           fmt::format("{}: tensor '{}': in the descriptor but not in the original header", label, e.name));
-    const PartNames p = part_names(e.name);
     impl->entries.push_back(CsfEntryInfo{e.name, e.dtype, e.shape, e.grid, e.crc32, e.exceptions, e.layer,
-                                         p.fixed, p.exceptions, p.row_prefix, p.partition_index});
+                                         std::string(to_string(e.storage)),
+                                         stored_part_names(e.name, e.storage, e.grid.format)});
   }
   for (const auto& [name, k] : info.native_kept)
     impl->kept[name] = KeptNativeInfo{k.format, k.layer, k.reason};
