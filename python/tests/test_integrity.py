@@ -17,7 +17,6 @@ import csfmoe
 from conftest import realistic_scales
 
 LAYER = "model.layers.0.mlp.experts"
-PARTS = ("fixed", "exceptions", "row_prefix", "partition_index")
 
 
 def stacked_layer(gen, e=2, h=512, n=256):
@@ -58,19 +57,44 @@ def as_bytes(x):
     return x.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-@pytest.fixture
-def container(gen, tmp_path):
+def swizzle_128x4(grid):
+    """[E, R, C] row-major -> the 128x4 tile layout (R % 128 == 0, C % 4 == 0):
+    byte (r, c) at tile (r // 128, c // 4), then (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4."""
+    e, rows, cols = grid.shape
+    r = torch.arange(rows).view(-1, 1)
+    c = torch.arange(cols).view(1, -1)
+    at = ((r // 128) * (cols // 4) + c // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4
+    flat = grid.reshape(e, -1).view(torch.uint8)
+    out = torch.empty_like(flat)
+    out[:, at.reshape(-1)] = flat
+    return out.view(grid.dtype).view(e, rows, cols)
+
+
+# Both storages of a container: planes (row-major grids, the default) and the
+# resident parts (what a swizzled source keeps; these grids have the same
+# shape in either layout).
+@pytest.fixture(params=["", "swizzled_128x4"], ids=["planes", "resident"])
+def container(gen, tmp_path, request):
     from test_checkpoint import write_safetensors
 
     tensors = stacked_layer(gen)
+    if request.param:
+        for name in (f"{LAYER}.w13.weight_scale", f"{LAYER}.w2.weight_scale"):
+            tensors[name] = swizzle_128x4(tensors[name])
     src, dst = tmp_path / "model.safetensors", tmp_path / "csf.safetensors"
     write_safetensors(src, tensors)
-    csfmoe.checkpoint.compress_checkpoint(src, dst)
+    csfmoe.checkpoint.compress_checkpoint(src, dst, layout=request.param)
+    storage = "resident" if request.param else "planes"
+    assert {e["storage"] for e in csf_entries(dst).values()} == {storage}
     return tensors, dst
 
 
+def csf_entries(path):
+    return csfmoe._csfmoe.SafetensorsFile(str(path)).csf_entries()
+
+
 def csf_names(path):
-    return sorted(csfmoe._csfmoe.SafetensorsFile(str(path)).csf_entries())
+    return sorted(csf_entries(path))
 
 
 def cpp_verdict(path):
@@ -120,8 +144,8 @@ def test_clean_container_loads_byte_exact(container):
 
 def test_every_part_and_a_passthrough_flip_is_refused(container, gen, tmp_path):
     tensors, path = container
-    names = csf_names(path)
-    targets = [(f"{n}.csf.{p}", n) for n in names for p in PARTS]
+    entries = csf_entries(path)
+    targets = [(p, n) for n, e in entries.items() for p in e["parts"]]
     targets += [("model.embed_tokens.weight", "model.embed_tokens.weight"), (f"{LAYER}.w2.weight", f"{LAYER}.w2.weight")]
     header, _ = header_of(path)
     corrupt_seen = 0
@@ -141,36 +165,44 @@ def test_every_part_and_a_passthrough_flip_is_refused(container, gen, tmp_path):
 
 
 def test_fixed_part_flip_that_still_validates_is_corrupt(container, gen, tmp_path):
-    """A flipped offset that keeps the parts structurally valid: only the CRC
-    catches it, and it must."""
+    """A flipped code that keeps the parts structurally valid (the C++ verdict
+    is CorruptData, not FormatError): only the CRC catches it, and every
+    Python path must; the same damage made in memory to loaded scales too."""
     _, path = container
     name = f"{LAYER}.w13.weight_scale"
+    first_part = csf_entries(path)[name]["parts"][0]  # the fixed slabs or the planes
     header, base = header_of(path)
-    b, e = header[f"{name}.csf.fixed"]["data_offsets"]
-    clean = csfmoe.load_file(path)[name]
+    b, e = header[first_part]["data_offsets"]
     data = path.read_bytes()
-    for i in range(400):
+    bad = tmp_path / "bad.safetensors"
+    for _ in range(400):
         at = base + b + int(torch.randint(0, e - b, (1,), generator=gen))
         bad_bytes = bytearray(data)
         bad_bytes[at] ^= 0x01
-        fixed = torch.frombuffer(bad_bytes[base + b:base + e], dtype=torch.uint8).clone()
+        bad.write_bytes(bytes(bad_bytes))
+        if cpp_verdict(bad) is not csfmoe.CorruptData:
+            continue
+        for what, cls, msg in python_verdicts(bad):
+            assert cls is csfmoe.CorruptData and "CRC32" in msg and f"'{name}'" in msg, (what, msg)
+        break
+    else:
+        pytest.fail("no validating flip found in 400 draws")
+    clean = csfmoe.load_file(path)[name]
+    for _ in range(400):
+        fixed = clean.parts[0].clone()
+        at = int(torch.randint(0, fixed.numel(), (1,), generator=gen))
+        fixed[at] ^= 0x01
         try:
             csfmoe._csfmoe.validate(fixed, *clean.parts[1:], clean.format, clean.layout, *clean.grid)
         except csfmoe.FormatError:
             continue
-        bad = tmp_path / "bad.safetensors"
-        bad.write_bytes(bytes(bad_bytes))
-        assert cpp_verdict(bad) is csfmoe.CorruptData
-        for what, cls, msg in python_verdicts(bad):
-            assert cls is csfmoe.CorruptData and "CRC32" in msg and f"'{name}'" in msg, (what, msg)
-        # The same damage made in memory to loaded scales: decompress() refuses it too.
         tampered = csfmoe.CsfScales(fixed, *clean.parts[1:], format=clean.format, layout=clean.layout,
                                     experts=clean.experts, rows=clean.rows, cols=clean.cols, dtype=clean.dtype,
                                     shape=clean.shape, crc32=clean.crc32, origin=clean.origin)
         with pytest.raises(csfmoe.CorruptData, match=re.escape(f"{path}: tensor '{name}'")):
             tampered.decompress()
         return
-    pytest.fail("no validating flip found in 400 draws")
+    pytest.fail("no validating in-memory flip found in 400 draws")
 
 
 def test_sharded_folder_flip_names_the_shard(gen, tmp_path):
@@ -196,8 +228,10 @@ def test_sharded_folder_flip_names_the_shard(gen, tmp_path):
     shutil.copytree(dst, bad)
     shard = bad / "model-00002-of-00002.safetensors"
     os.remove(shard)
-    flipped_copy(dst / shard.name, shard, f"{LAYER}.w2.weight_scale.csf.fixed"
-                 if f"{LAYER}.w2.weight_scale" in csf_names(dst / shard.name) else f"{LAYER}.w2.weight", gen)
+    entries = csf_entries(dst / shard.name)
+    target = entries[f"{LAYER}.w2.weight_scale"]["parts"][0] if f"{LAYER}.w2.weight_scale" in entries \
+        else f"{LAYER}.w2.weight"
+    flipped_copy(dst / shard.name, shard, target, gen)
     want = cpp_verdict(bad)
     assert want is not None
     with pytest.raises(want, match=re.escape(str(shard))):
