@@ -784,6 +784,32 @@ TEST_F(CliTest, SynthWritesRealGeometryGroupedByLayer) {
   EXPECT_LT(rep["totals"]["scale_ratio"].get<double>(), 0.5);
 }
 
+// The tensor-parallel shards b12x reports on: synth writes their short MXFP4
+// down-projection rows, and they round-trip byte-identical.
+TEST_F(CliTest, SynthShardPresetsHaveTheirRowLengthsAndRoundTrip) {
+  CSFMOE_SEEDED(seed);
+  const std::pair<const char*, std::uint64_t> presets[] = {
+      {"qwen3.8-tp2", 20}, {"deepseek-4.1-tp4", 18}, {"kimi-tp12", 8}, {"kimi-tp16", 6}};
+  for (const auto& [name, cols] : presets) {
+    SCOPED_TRACE(name);
+    const auto src = dir_ / (std::string(name) + ".safetensors");
+    const auto c = dir_ / "out" / (std::string(name) + ".csf.safetensors");
+    const auto r = dir_ / "out" / (std::string(name) + ".restored.safetensors");
+    auto res = csf({"synth", src.string(), "--model", name, "--format", "mxfp4", "--experts", "1", "--seed",
+                    std::to_string(seed)});
+    ASSERT_EQ(res.code, 0) << res.err;
+    {
+      const auto f = csfmoe::st::File::open(src);
+      const auto* s = f.find("model.layers.0.mlp.experts.down_proj_scales");
+      ASSERT_TRUE(s);
+      EXPECT_EQ(s->shape.back(), cols);
+    }
+    ASSERT_EQ(csf({"compress", src.string(), c.string(), "--quiet"}).code, 0);
+    ASSERT_EQ(csf({"decompress", c.string(), r.string(), "--quiet"}).code, 0);
+    EXPECT_TRUE(read_bytes(src) == read_bytes(r));
+  }
+}
+
 TEST_F(CliTest, InspectDeviceReportsResidentBytesPerLayerAndModel) {
   CSFMOE_SEEDED(seed);
   const auto out = dir_ / "synth.safetensors";

@@ -1,6 +1,9 @@
-// Synthetic scale grids: geometry lookup and shapes, and the byte statistics
-// of each distribution measured with a reference of the CSF base rule
-// written here (histogram per row; smallest base with the largest count).
+// Synthetic scale grids: geometry lookup and shapes, and properties of each
+// distribution measured with a reference of the CSF base rule written here
+// (histogram per row; smallest base with the largest count). The realistic
+// grids are checked against the regime real checkpoints are in and against
+// structural properties of real scales (docs/csf-format.md, "Real weights"),
+// not against the numbers the generator was calibrated to give.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "csfmoe/codec.hpp"
 #include "csfmoe/errors.hpp"
 #include "csfmoe/synthetic.hpp"
 #include "test_seed.hpp"
@@ -21,6 +25,7 @@ namespace {
 
 struct CsfCount {
   std::uint64_t values = 0, exceptions = 0, rows = 0;
+  std::uint64_t at_base = 0, at_base_plus_1 = 0;  // bytes equal to the row's base / base + 1
   double rate() const { return double(exceptions) / double(values); }
   // Bases + offsets + 4-byte exception records over source bytes (the per-row
   // prefix and partition index are left out: they depend on the container).
@@ -37,13 +42,15 @@ CsfCount csf_count(const std::vector<std::uint8_t>& v, const GridShape& s) {
   for (std::size_t row = 0; row < std::size_t{s.experts} * s.rows; ++row) {
     unsigned hist[256] = {};
     for (std::uint32_t c = 0; c < s.cols; ++c) ++hist[v[row * s.cols + c]];
-    unsigned best = 0;
+    unsigned best = 0, base = 0;
     for (unsigned b = 0; b + w - 1 <= 255; ++b) {
       unsigned n = 0;
       for (unsigned k = 0; k < w; ++k) n += hist[b + k];
-      best = std::max(best, n);
+      if (n > best) best = n, base = b;
     }
     out.exceptions += s.cols - best;
+    out.at_base += hist[base];
+    out.at_base_plus_1 += hist[base + 1];
     out.values += s.cols;
     ++out.rows;
   }
@@ -56,9 +63,13 @@ GridShape with_experts(GridShape s, std::uint32_t e) {
 }
 
 TEST(Geometry, LookupAndShapes) {
-  for (const MoeGeometry* g : {&kDeepSeekV3, &kKimiK2, &kQwen3_30B_A3B, &kQwen3_235B_A22B}) {
+  std::set<std::string_view> names;
+  for (const MoeGeometry* g : moe_geometries()) {
+    EXPECT_TRUE(names.insert(g->name).second) << g->name << " listed twice";
     const MoeGeometry& found = moe_geometry(g->name);
     EXPECT_EQ(&found, g);
+    EXPECT_GT(g->topk, 0u);
+    EXPECT_LE(g->topk, g->experts);
     for (ScaleFormat f : {ScaleFormat::nvfp4, ScaleFormat::mxfp4}) {
       const GridShape w13 = w13_scale_shape(*g, f);
       const GridShape w2 = w2_scale_shape(*g, f);
@@ -68,16 +79,30 @@ TEST(Geometry, LookupAndShapes) {
           w2, (GridShape{f, ScaleLayout::row_major, g->experts, g->hidden, g->intermediate / group_size(f)}));
     }
   }
+  for (const MoeGeometry* g :
+       {&kDeepSeekV3, &kKimiK2, &kQwen3_30B_A3B, &kQwen3_235B_A22B, &kGlm5_3, &kGlm5_3Tp2, &kQwen3_8Tp2,
+        &kDeepSeek4_1Tp4, &kKimiTp12, &kKimiTp16, &kSmolLM2_135MFfn})
+    EXPECT_EQ(names.count(g->name), 1u) << g->name << " missing from moe_geometries()";
   EXPECT_EQ(w13_scale_shape(kDeepSeekV3, ScaleFormat::nvfp4).cols, 448u);
   EXPECT_EQ(w2_scale_shape(kQwen3_30B_A3B, ScaleFormat::mxfp4).cols, 24u);
+  // The row lengths b12x reports for these tensor-parallel shards (MXFP4 w2).
+  EXPECT_EQ(w2_scale_shape(kQwen3_8Tp2, ScaleFormat::mxfp4).cols, 20u);
+  EXPECT_EQ(w2_scale_shape(kDeepSeek4_1Tp4, ScaleFormat::mxfp4).cols, 18u);
+  EXPECT_EQ(w2_scale_shape(kKimiTp12, ScaleFormat::mxfp4).cols, 8u);
+  EXPECT_EQ(w2_scale_shape(kKimiTp16, ScaleFormat::mxfp4).cols, 6u);
+  // A shard is the full model's N cut by TP.
+  EXPECT_EQ(kGlm5_3Tp2.intermediate * 2, kGlm5_3.intermediate);
+  EXPECT_EQ(kKimiTp12.intermediate * 12, kKimiTp16.intermediate * 16);
+  // The real-weights reference: SmolLM2-135M's FFN, C = 36 / 96 on NVFP4.
+  EXPECT_EQ(w13_scale_shape(kSmolLM2_135MFfn, ScaleFormat::nvfp4).cols, 36u);
+  EXPECT_EQ(w2_scale_shape(kSmolLM2_135MFfn, ScaleFormat::nvfp4).cols, 96u);
   try {
     moe_geometry("llama");
     FAIL();
   } catch (const InvalidArgument& e) {
     const std::string m = e.what();
     EXPECT_NE(m.find("llama"), std::string::npos);
-    EXPECT_NE(m.find("deepseek-v3"), std::string::npos);
-    EXPECT_NE(m.find("qwen3-235b-a22b"), std::string::npos);
+    for (const MoeGeometry* g : moe_geometries()) EXPECT_NE(m.find(g->name), std::string::npos) << g->name;
   }
 }
 
@@ -112,47 +137,153 @@ TEST(Synthetic, RejectsBadShapes) {
   EXPECT_THROW(synthetic_expert_matrix(ScaleFormat::mxfp4, 0, 64, 1), InvalidArgument);
 }
 
-// Realistic grids on every geometry (2 experts each to stay fast).
-TEST(Synthetic, RealisticMatchesRealCheckpointStatistics) {
+// The realistic grids of every preset (one or two experts each to stay fast):
+// w13 and w2 of both formats.
+struct PresetGrid {
+  const MoeGeometry* geometry;
+  bool w2;
+  GridShape shape;
+  std::vector<std::uint8_t> bytes;
+  std::string label() const {
+    return std::string(geometry->name) + " " + std::string(to_string(shape.format)) + (w2 ? " w2" : " w13");
+  }
+};
+
+std::vector<PresetGrid> realistic_presets(ScaleFormat f, std::uint64_t seed) {
+  std::vector<PresetGrid> out;
+  std::uint64_t k = 0;
+  for (const MoeGeometry* g : moe_geometries()) {
+    for (bool w2 : {false, true}) {
+      const GridShape base = w2 ? w2_scale_shape(*g, f) : w13_scale_shape(*g, f);
+      const GridShape s = with_experts(base, std::uint64_t{base.rows} * base.cols > 1000000 ? 1 : 2);
+      out.push_back({g, w2, s, synthetic_scales(s, ScaleDistribution::realistic, seed + k++)});
+    }
+  }
+  return out;
+}
+
+TEST(Synthetic, RealisticRoundTripsOnEveryPreset) {
   CSFMOE_SEEDED(seed);
-  for (const MoeGeometry* g : {&kDeepSeekV3, &kQwen3_30B_A3B, &kQwen3_235B_A22B}) {
-    for (ScaleFormat f : {ScaleFormat::nvfp4, ScaleFormat::mxfp4}) {
-      for (int which = 0; which < 2; ++which) {
-        const GridShape s = with_experts(which ? w2_scale_shape(*g, f) : w13_scale_shape(*g, f), 2);
-        const auto v = synthetic_scales(s, ScaleDistribution::realistic, seed);
-        ASSERT_EQ(v.size(), std::size_t{s.experts} * s.rows * s.cols);
-        const CsfCount n = csf_count(v, s);
-        const double ratio = n.ratio(f, s.cols);
-        std::printf("realistic %-16s %s %s: exceptions %.3f%%, bases+offsets+records %.1f%% of bytes\n",
-                    std::string(g->name).c_str(), std::string(to_string(f)).c_str(), which ? "w2 " : "w13",
-                    100 * n.rate(), 100 * ratio);
-        SCOPED_TRACE(std::string(g->name) + " " + std::string(to_string(f)) + (which ? " w2" : " w13"));
-        if (f == ScaleFormat::nvfp4) {
-          EXPECT_GE(n.rate(), 0.0003);
-          EXPECT_LE(n.rate(), 0.015);
-          EXPECT_GE(ratio, 0.50);
-          EXPECT_LE(ratio, 0.56);
-          // Positive finite E4M3 only: no sign bit, no NaN pattern.
-          for (auto b : v) ASSERT_LT(b, 0x7F);
-          EXPECT_EQ(*std::max_element(v.begin(), v.end()), 0x7E);  // the tensor amax block
-        } else {
-          EXPECT_GE(n.rate(), 0.0003);
-          EXPECT_LE(n.rate(), 0.025);
-          EXPECT_GE(ratio, 0.12);
-          EXPECT_LE(ratio, 0.23);
-          for (auto b : v) ASSERT_NE(b, 0xFF);
-        }
-        // Rows do not all share one base: row magnitudes vary.
-        std::set<unsigned> modes;
-        for (std::uint32_t r = 0; r < s.rows; r += 16) {
-          unsigned hist[256] = {};
-          for (std::uint32_t c = 0; c < s.cols; ++c) ++hist[v[std::size_t{r} * s.cols + c]];
-          modes.insert(unsigned(std::max_element(hist, hist + 256) - hist));
-        }
-        // E8M0 steps are whole octaves, so MXFP4 rows share fewer modes.
-        EXPECT_GE(modes.size(), f == ScaleFormat::nvfp4 ? 5u : 2u);
+  for (ScaleFormat f : {ScaleFormat::nvfp4, ScaleFormat::mxfp4}) {
+    for (const PresetGrid& p : realistic_presets(f, seed)) {
+      SCOPED_TRACE(p.label());
+      ASSERT_EQ(p.bytes.size(), std::size_t{p.shape.experts} * p.shape.rows * p.shape.cols);
+      const CsfTensor t = encode(p.shape, p.bytes);
+      // The codec's exceptions are exactly those of the reference base rule.
+      EXPECT_EQ(t.exceptions.size(), csf_count(p.bytes, p.shape).exceptions);
+      std::vector<std::uint8_t> back(p.bytes.size(), 0xA5);
+      decode(t, ScaleLayout::row_major, back);
+      ASSERT_EQ(back, p.bytes);
+      if (f == ScaleFormat::nvfp4) {
+        // The ModelOpt recipe: positive finite E4M3 only (no sign bit, no NaN
+        // pattern), and the tensor amax block maps to 448 = 0x7E.
+        for (auto b : p.bytes) ASSERT_LT(b, 0x7F);
+        EXPECT_EQ(*std::max_element(p.bytes.begin(), p.bytes.end()), 0x7E);
+      } else {
+        for (auto b : p.bytes) ASSERT_NE(b, 0xFF);  // no E8M0 NaN
       }
     }
+  }
+}
+
+// Real checkpoints have 0.03-1.1 % of scale bytes as exceptions (b12x's reports
+// on GLM, Qwen, DeepSeek, Kimi layers); NVFP4 stays inside that on every
+// tensor. An MXFP4 tensor's rate depends on where its magnitudes fall between
+// two powers of two and grows with the row length: measured on real weights
+// it ranges from 0.66 % (SmolLM2 w13) to 3.7 % (MiniLM w2), so each MXFP4
+// tensor is held to that measured range.
+TEST(Synthetic, RealisticExceptionRateIsInTheRealRegime) {
+  CSFMOE_SEEDED(seed);
+  for (ScaleFormat f : {ScaleFormat::nvfp4, ScaleFormat::mxfp4}) {
+    for (const PresetGrid& p : realistic_presets(f, seed)) {
+      const CsfCount n = csf_count(p.bytes, p.shape);
+      std::printf("realistic %-26s C %3u: exceptions %.3f%%\n", p.label().c_str(), p.shape.cols,
+                  100 * n.rate());
+      SCOPED_TRACE(p.label());
+      EXPECT_GE(n.rate(), 0.0003);
+      EXPECT_LE(n.rate(), f == ScaleFormat::nvfp4 ? 0.011 : 0.037);
+    }
+  }
+}
+
+// Real MXFP4 scales use both offsets of the 2-wide window (62.6 / 36.8 % on
+// SmolLM2's w13, 39.9 / 59.3 % on MiniLM's), and the split is a property of
+// the tensor: it differs between tensors.
+TEST(Synthetic, RealisticMxfp4UsesBothOffsetsAndTheSplitVaries) {
+  CSFMOE_SEEDED(seed);
+  double lo = 1.0, hi = 0.0;
+  for (const PresetGrid& p : realistic_presets(ScaleFormat::mxfp4, seed)) {
+    SCOPED_TRACE(p.label());
+    const CsfCount n = csf_count(p.bytes, p.shape);
+    const double base = double(n.at_base) / double(n.values),
+                 plus1 = double(n.at_base_plus_1) / double(n.values);
+    EXPECT_DOUBLE_EQ(base + plus1 + n.rate(), 1.0);
+    if (p.shape.cols >= 16) {  // on very short rows one offset can dominate a tensor
+      EXPECT_GE(base, 0.15);
+      EXPECT_GE(plus1, 0.15);
+    }
+    lo = std::min(lo, base);
+    hi = std::max(hi, base);
+  }
+  EXPECT_GT(hi - lo, 0.05) << "every tensor has the same split";
+}
+
+// Row-centred column means of an expert's grid, in byte units.
+std::vector<double> column_profile(const std::vector<std::uint8_t>& v, const GridShape& s, std::uint32_t e) {
+  std::vector<double> col(s.cols, 0.0);
+  for (std::uint32_t r = 0; r < s.rows; ++r) {
+    const std::uint8_t* row = v.data() + (std::size_t{e} * s.rows + r) * s.cols;
+    double mean = 0;
+    for (std::uint32_t c = 0; c < s.cols; ++c) mean += row[c];
+    mean /= s.cols;
+    for (std::uint32_t c = 0; c < s.cols; ++c) col[c] += (row[c] - mean) / s.rows;
+  }
+  return col;
+}
+
+double sd(const std::vector<double>& x) {
+  double m = 0, q = 0;
+  for (double v : x) m += v / x.size();
+  for (double v : x) q += (v - m) * (v - m) / x.size();
+  return std::sqrt(q);
+}
+
+double correlation(const std::vector<double>& a, const std::vector<double>& b) {
+  double ma = 0, mb = 0, sab = 0, saa = 0, sbb = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) ma += a[i] / a.size(), mb += b[i] / b.size();
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    sab += (a[i] - ma) * (b[i] - mb);
+    saa += (a[i] - ma) * (a[i] - ma);
+    sbb += (b[i] - mb) * (b[i] - mb);
+  }
+  return sab / std::sqrt(saa * sbb);
+}
+
+// Real NVFP4 scales have columns that sit consistently higher or lower than
+// the rest of their rows (input channels): the spread of the column means is
+// well above what row-independent noise gives, and on w13 the column
+// profiles of different layers correlate. A generator without column
+// structure fails both.
+TEST(Synthetic, RealisticHasColumnStructureSharedAcrossExperts) {
+  CSFMOE_SEEDED(seed);
+  for (const GridShape& base :
+       {w13_scale_shape(kQwen3_30B_A3B, ScaleFormat::nvfp4), w2_scale_shape(kDeepSeekV3, ScaleFormat::nvfp4),
+        w13_scale_shape(kSmolLM2_135MFfn, ScaleFormat::nvfp4)}) {
+    const GridShape s = with_experts(base, 2);
+    SCOPED_TRACE(to_string(s));
+    const auto v = synthetic_scales(s, ScaleDistribution::realistic, seed);
+    const auto a = column_profile(v, s, 0), b = column_profile(v, s, 1);
+    // Noise alone: the within-row SD over sqrt(rows); real within-row SD is
+    // ~3 codes, so 3 / sqrt(R) bounds the noise-only column-mean spread.
+    const double noise = 3.0 / std::sqrt(double(s.rows));
+    std::printf("column-mean SD %.3f (noise alone ~%.3f), correlation between experts %.2f\n", sd(a), noise,
+                correlation(a, b));
+    EXPECT_GT(sd(a), 1.5 * noise);
+    EXPECT_GT(sd(b), 1.5 * noise);
+    EXPECT_GT(correlation(a, b), 0.1);
+    // Uniform bytes have no such structure (a check of the measure itself).
+    const auto u = synthetic_scales(s, ScaleDistribution::uniform_random, seed);
+    EXPECT_LT(std::abs(correlation(column_profile(u, s, 0), column_profile(u, s, 1))), 0.5);
   }
 }
 
@@ -166,9 +297,11 @@ TEST(Synthetic, DispersedSitsNearTheNvfp4BreakEven) {
     const CsfCount r = csf_count(synthetic_scales(s, ScaleDistribution::realistic, seed), s);
     std::printf("dispersed %s %u x %u: exceptions %.2f%%\n", std::string(to_string(s.format)).c_str(), s.rows,
                 s.cols, 100 * d.rate());
+    // What "dispersed" promises: NVFP4 CSF about as large as the native bytes
+    // (the break-even, ~12.5 % exceptions), far more exceptions than realistic.
     if (s.format == ScaleFormat::nvfp4) {
-      EXPECT_GE(d.rate(), 0.08);
-      EXPECT_LE(d.rate(), 0.17);
+      EXPECT_GE(d.ratio(s.format, s.cols), 0.85);
+      EXPECT_LE(d.ratio(s.format, s.cols), 1.2);
     }
     EXPECT_GT(d.rate(), 5 * r.rate());
   }

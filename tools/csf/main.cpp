@@ -9,6 +9,7 @@
 
 #include "cli.hpp"
 #include "csfmoe/errors.hpp"
+#include "csfmoe/synthetic.hpp"
 #include "moe_command.hpp"
 
 namespace {
@@ -114,9 +115,9 @@ Exit codes: 0 success; 1 error (bad or corrupt input, I/O; nothing is written); 
   SynthArgs synth;
   auto* c_synth = app.add_subcommand("synth", "Write a synthetic MoE checkpoint of a real model's geometry");
   c_synth->add_option("out", synth.out, "output safetensors file (must not exist)")->required();
-  c_synth->add_option("--model", synth.model, "geometry")
-      ->required()
-      ->check(CLI::IsMember({"deepseek-v3", "kimi-k2", "qwen3-30b-a3b", "qwen3-235b-a22b"}));
+  std::vector<std::string> geometries;
+  for (const csfmoe::MoeGeometry* g : csfmoe::moe_geometries()) geometries.emplace_back(g->name);
+  c_synth->add_option("--model", synth.model, "geometry")->required()->check(CLI::IsMember(geometries));
   c_synth->add_option("--format", synth.format, "nvfp4 or mxfp4")->required()->check(formats);
   c_synth->add_option("--experts", synth.experts, "experts per layer (default: the model's)")
       ->check(CLI::Range(1u, 65536u));

@@ -273,9 +273,8 @@ void register_moe_command(CLI::App& app) {
   auto* layer = c->add_option("--layer", args->layer,
                               "MoE layer key, e.g. model.layers.3.mlp.experts (default: the only one)");
   layer->needs(ck);
-  auto* model =
-      c->add_option("--model", args->model, "geometry: deepseek-v3, kimi-k2, qwen3-30b-a3b, qwen3-235b-a22b")
-          ->capture_default_str();
+  auto* model = c->add_option("--model", args->model, "geometry, one of the names csf synth --model takes")
+                    ->capture_default_str();
   auto* experts = c->add_option("--experts", args->experts, "override E");
   auto* hidden = c->add_option("--hidden", args->hidden, "override H (multiple of 64)");
   auto* inter = c->add_option("--intermediate", args->intermediate, "override N (multiple of 64)");
