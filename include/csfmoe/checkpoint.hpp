@@ -106,11 +106,16 @@ void decompress_checkpoint(const std::filesystem::path& in, const std::filesyste
                            const CompressOptions& options = {});
 
 // Decodes every CSF tensor and checks its CRC32 against the stored one (and
+// for a file written by b12x / vLLM, checks its planes against b12x's rules
+// and decodes them: such files carry no checksum; and
 // every tensor kept native against its CRC); throws CorruptData naming file
 // and tensor on the first mismatch, and FormatError when `in` holds no CSF
 // container at all. In a folder, the tensors of files that are not
 // containers are listed as passthrough with reason kNotAContainer, unchecked.
 inline constexpr std::string_view kNotAContainer = "not a CSF container: not checked";
+// The reason on every tensor of a file written by b12x / vLLM (its planes
+// checked against b12x's rules and decoded; nothing else can be checked).
+inline constexpr std::string_view kB12xNoChecksum = "written by b12x / vLLM: planes checked, no checksum";
 CheckpointReport verify_checkpoint(const std::filesystem::path& in, const CompressOptions& options = {});
 
 // Statistics for a native or compressed checkpoint. For a native one the

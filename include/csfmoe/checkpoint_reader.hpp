@@ -39,6 +39,9 @@ struct CsfEntryInfo {
   // docs/container-format.md) and the names of the part tensors.
   std::string storage;
   std::vector<std::string> parts;
+  // False for a file written by b12x / vLLM, which holds no checksum: its
+  // planes are checked against b12x's rules only.
+  bool has_crc32 = true;
 };
 
 // A block-scale tensor that a container keeps native, and why.
@@ -58,6 +61,11 @@ class CheckpointFile {
 
   const std::filesystem::path& path() const;
   bool is_container() const;
+  // A plain file written by b12x / vLLM: block-scale tensors replaced by
+  // their canonical planes (X.nvfp4_csf_fixed + X.nvfp4_csf_exceptions, or
+  // .mxfp4_csf_*). Its logical tensors hold X in their place; reading X
+  // checks the planes against b12x's rules and decodes them (no CRC exists).
+  bool is_b12x() const;
   // The file's own __metadata__ (a container's includes its csfmoe.* keys).
   const std::optional<st::Metadata>& metadata() const;
   // The logical tensors: those of the original file for a container (the

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "checkpoint/b12x_file.hpp"
 #include "checkpoint/container.hpp"
 #include "checkpoint/detect.hpp"
 #include "checkpoint/tp_slice.hpp"
@@ -320,6 +321,45 @@ std::vector<std::uint8_t> decode_checked(const CsfTensor& enc, const CsfEntry& e
   return buf;
 }
 
+// A file written by b12x / vLLM: every plane pair checked against b12x's
+// rules and decoded; the scale tensors are reported as CSF (stored = their
+// planes' bytes), the others as passthrough. With `out`, writes the file
+// with each pair replaced by its native scale tensor (the file's metadata
+// kept). No checksum exists to compare with.
+void read_b12x_file(const st::File& file, const ForeignB12x& v, st::Writer* out, const std::string& n,
+                    Job& job, CheckpointReport& rep) {
+  const std::string label = file.path().string();
+  for (const auto* t : data_order(v.logical)) {
+    TensorReport tr = base_report(n, *t);
+    std::uint64_t stored = t->nbytes();
+    if (const CsfEntry* e = v.find(t->name)) {
+      const CsfTensor enc = load_csf_parts(file, *e, label);
+      std::vector<std::uint8_t> buf(t->nbytes());
+      decode(enc, e->grid.layout, buf, codec_options(job.opt), /*trusted=*/true);
+      if (out) out->add_tensor(t->name, t->dtype, t->shape, buf);
+      tr.action = TensorAction::csf;
+      tr.format = e->grid.format;
+      tr.layer = e->layer;
+      tr.stats = stats(enc);
+      set_resident(tr, enc);
+      stored = tr.stats.encoded_bytes = stored_part_bytes(file, *e);
+    } else {
+      const st::TensorInfo* ft = file.find(t->name);
+      if (out) out->add_tensor(t->name, t->dtype, t->shape, file.data(*ft));
+    }
+    tr.reason = std::string(kB12xNoChecksum);
+    add_totals(rep, tr, t->nbytes(), stored);
+    rep.tensors.push_back(std::move(tr));
+    job.tick(t->nbytes(), n, t->name);
+  }
+}
+
+std::uint64_t logical_bytes(const st::Header& h) {
+  std::uint64_t n = 0;
+  for (const auto& t : h.tensors) n += t.nbytes();
+  return n;
+}
+
 struct OpenContainer {
   st::File file;
   ContainerInfo info;
@@ -578,6 +618,26 @@ void check_index_tensors(const Folder& f, const fs::path& in) {
   }
 }
 
+// The index with the weight_map entries of b12x planes renamed to their
+// scale tensor (one entry per scale), everything else as it was.
+std::string rename_index_entries(const st::ShardIndex& idx, const std::map<std::string, std::string>& renames,
+                                 const std::string& label) {
+  ojson orig;
+  try {
+    orig = ojson::parse(idx.raw);
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(fmt::format("{}: not valid JSON: {}", label, e.what()));
+  }
+  ojson wm = ojson::object();
+  for (const auto& [tensor, s] : idx.weight_map) {
+    auto it = renames.find(tensor);
+    wm[it == renames.end() ? tensor : it->second] = s;
+  }
+  ojson out = ojson::object();
+  for (auto it = orig.begin(); it != orig.end(); ++it) out[it.key()] = it.key() == "weight_map" ? wm : it.value();
+  return out.dump(2) + "\n";
+}
+
 std::string rewrite_index(const st::ShardIndex& idx,
                           const std::map<std::string, std::map<std::string, std::vector<std::string>>>& csf,
                           std::uint64_t total_stored, const std::string& label) {
@@ -702,7 +762,16 @@ void decompress_checkpoint(const fs::path& in, const fs::path& out, const Compre
   if (!fs::is_directory(in)) {
     st::File c = st::File::open(in);
     auto info = container_info(c);
-    if (!info) throw InvalidArgument(fmt::format("{} is not a CSF container", in.string()));
+    if (!info) {
+      const auto b12x = foreign_b12x(c, in.string());
+      if (!b12x) throw InvalidArgument(fmt::format("{} is not a CSF container", in.string()));
+      job.total = logical_bytes(b12x->logical);
+      st::Writer w(out, st::Writer::header_json_size(b12x->logical.tensors, b12x->logical.metadata) + 1024);
+      CheckpointReport ignored;
+      read_b12x_file(c, *b12x, &w, in.filename().string(), job, ignored);
+      w.commit(b12x->logical.metadata);
+      return;
+    }
     job.total = original_data_bytes(*info);
     st::AtomicFile dest(out);
     restore_file(c, *info, &dest, in.filename().string(), job, nullptr);
@@ -716,9 +785,21 @@ void decompress_checkpoint(const fs::path& in, const fs::path& out, const Compre
     job.total += infos.back() ? original_data_bytes(*infos.back()) : file.data_size();
   }
   TempDir tmp(out);
+  // Scale tensors of b12x files: weight_map entries of their planes become the scale's.
+  std::map<std::string, std::string> plane_to_scale;
   for (std::size_t i = 0; i < f.files.size(); ++i) {
     const auto& [n, file] = f.files[i];
     if (!infos[i]) {
+      if (const auto b12x = foreign_b12x(file, file.path().string())) {
+        st::Writer w(tmp.path() / n,
+                     st::Writer::header_json_size(b12x->logical.tensors, b12x->logical.metadata) + 1024);
+        CheckpointReport ignored;
+        read_b12x_file(file, *b12x, &w, n, job, ignored);
+        w.commit(b12x->logical.metadata);
+        for (const auto& e : b12x->csf)
+          for (const auto& part : stored_part_names(e.name, e.storage, e.grid.format)) plane_to_scale[part] = e.name;
+        continue;
+      }
       copy_plain(file.path(), tmp.path() / n);
       job.tick(file.data_size(), n, "");
       continue;
@@ -731,6 +812,8 @@ void decompress_checkpoint(const fs::path& in, const fs::path& out, const Compre
     const std::string label = (in / st::kIndexFileName).string();
     if (auto o = original_index(f.index->raw, label))
       write_file(tmp.path() / st::kIndexFileName, *o);
+    else if (!plane_to_scale.empty())
+      write_file(tmp.path() / st::kIndexFileName, rename_index_entries(*f.index, plane_to_scale, label));
     else
       write_file(tmp.path() / st::kIndexFileName, f.index->raw);
   }
@@ -745,6 +828,8 @@ CheckpointReport verify_checkpoint(const fs::path& in, const CompressOptions& op
   auto one = [&](const st::File& file, const std::string& n) {
     if (auto info = container_info(file)) {
       restore_file(file, *info, nullptr, n, job, &rep);
+    } else if (const auto b12x = foreign_b12x(file, file.path().string())) {
+      read_b12x_file(file, *b12x, nullptr, n, job, rep);
     } else {
       for (const auto& t : file.tensors()) {
         TensorReport tr = base_report(n, t);
@@ -763,8 +848,8 @@ CheckpointReport verify_checkpoint(const fs::path& in, const CompressOptions& op
   if (!fs::is_directory(in)) {
     st::File c = st::File::open(in);
     auto info = container_info(c);
-    if (!info) throw not_csf();
-    job.total = original_data_bytes(*info);
+    if (!info && !foreign_b12x(c, in.string())) throw not_csf();
+    job.total = info ? original_data_bytes(*info) : c.data_size();
     one(c, in.filename().string());
     return rep;
   }
@@ -773,7 +858,7 @@ CheckpointReport verify_checkpoint(const fs::path& in, const CompressOptions& op
   for (const auto& [n, file] : f.files) {
     auto info = container_info(file);
     job.total += info ? original_data_bytes(*info) : 0;
-    any_container = any_container || info.has_value();
+    any_container = any_container || info.has_value() || foreign_b12x(file, file.path().string());
   }
   if (!any_container) throw not_csf();
   for (const auto& [n, file] : f.files) one(file, n);
@@ -816,6 +901,9 @@ CheckpointReport inspect_checkpoint(const fs::path& in, const CompressOptions& o
         rep.tensors.push_back(std::move(tr));
         job.tick(t->nbytes(), n, t->name);
       }
+    } else if (const auto b12x = foreign_b12x(file, file.path().string())) {
+      job.total += logical_bytes(b12x->logical);
+      read_b12x_file(file, *b12x, nullptr, n, job, rep);
     } else {
       job.total += file.data_size();
       compress_file(file, {}, n, job, rep, false);

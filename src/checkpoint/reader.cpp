@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "checkpoint/b12x_file.hpp"
 #include "checkpoint/container.hpp"
 #include "csfmoe/checkpoint_reader.hpp"
 #include "csfmoe/errors.hpp"
@@ -15,6 +16,7 @@ using namespace detail;
 struct CheckpointFile::Impl {
   st::File file;
   std::optional<ContainerInfo> info;
+  std::optional<ForeignB12x> foreign;  // a plain file holding b12x planes
   st::Header logical;
   std::vector<CsfEntryInfo> entries;
   std::map<std::string, KeptNativeInfo> kept;
@@ -22,7 +24,8 @@ struct CheckpointFile::Impl {
   std::string label() const { return file.path().string(); }
 
   const CsfEntry* entry(std::string_view name) const {
-    return info ? info->find(std::string(name)) : nullptr;
+    if (info) return info->find(std::string(name));
+    return foreign ? foreign->find(std::string(name)) : nullptr;
   }
 
   const st::TensorInfo& logical_tensor(std::string_view name) const {
@@ -47,7 +50,7 @@ struct CheckpointFile::Impl {
                                     e.name, enc.source_bytes(), t.nbytes()));
     std::vector<std::uint8_t> buf(t.nbytes());
     decode(enc, e.grid.layout, buf, options, /*trusted=*/true);
-    check_crc(e.name, buf, e.crc32, "decoded tensor");
+    if (info) check_crc(e.name, buf, e.crc32, "decoded tensor");  // b12x files carry no checksum
     return buf;
   }
 };
@@ -58,11 +61,20 @@ CheckpointFile& CheckpointFile::operator=(CheckpointFile&&) noexcept = default;
 CheckpointFile::~CheckpointFile() = default;
 
 CheckpointFile CheckpointFile::open(const fs::path& path) {
-  auto impl = std::make_unique<Impl>(Impl{st::File::open(path), std::nullopt, {}, {}, {}});
+  auto impl = std::make_unique<Impl>(Impl{st::File::open(path), std::nullopt, std::nullopt, {}, {}, {}});
   const std::string label = impl->label();
   impl->info = get_container_metadata(impl->file.header().metadata, label);
   if (!impl->info) {
-    impl->logical = impl->file.header();
+    impl->foreign = foreign_b12x(impl->file, label);
+    if (!impl->foreign) {
+      impl->logical = impl->file.header();
+      return CheckpointFile(std::move(impl));
+    }
+    impl->logical = impl->foreign->logical;
+    for (const auto& e : impl->foreign->csf)
+      impl->entries.push_back(CsfEntryInfo{e.name, e.dtype, e.shape, e.grid, e.crc32, e.exceptions, e.layer,
+                                           std::string(to_string(e.storage)),
+                                           stored_part_names(e.name, e.storage, e.grid.format), false});
     return CheckpointFile(std::move(impl));
   }
   const ContainerInfo& info = *impl->info;
@@ -91,7 +103,7 @@ CheckpointFile CheckpointFile::open(const fs::path& path) {
           fmt::format("{}: tensor '{}': in the descriptor but not in the original header", label, e.name));
     impl->entries.push_back(CsfEntryInfo{e.name, e.dtype, e.shape, e.grid, e.crc32, e.exceptions, e.layer,
                                          std::string(to_string(e.storage)),
-                                         stored_part_names(e.name, e.storage, e.grid.format)});
+                                         stored_part_names(e.name, e.storage, e.grid.format), true});
   }
   for (const auto& [name, k] : info.native_kept)
     impl->kept[name] = KeptNativeInfo{k.format, k.layer, k.reason};
@@ -100,6 +112,7 @@ CheckpointFile CheckpointFile::open(const fs::path& path) {
 
 const fs::path& CheckpointFile::path() const { return impl_->file.path(); }
 bool CheckpointFile::is_container() const { return impl_->info.has_value(); }
+bool CheckpointFile::is_b12x() const { return impl_->foreign.has_value(); }
 const std::optional<st::Metadata>& CheckpointFile::metadata() const { return impl_->file.header().metadata; }
 const st::Header& CheckpointFile::header() const { return impl_->logical; }
 const std::vector<CsfEntryInfo>& CheckpointFile::csf_entries() const { return impl_->entries; }
@@ -114,9 +127,9 @@ const CsfEntryInfo* CheckpointFile::csf_entry(std::string_view name) const {
 std::span<const std::uint8_t> CheckpointFile::native_bytes(std::string_view name) const {
   const Impl& m = *impl_;
   const st::TensorInfo& t = m.logical_tensor(name);
-  if (!m.info) return m.file.data(t);
   if (m.entry(name))
     throw InvalidArgument(fmt::format("{}: tensor '{}' is stored as CSF; read its parts", m.label(), name));
+  if (!m.info) return m.file.data(t);
   const st::TensorInfo* ct = m.file.find(name);  // present and matching: checked by open()
   const auto data = m.file.data(*ct);
   m.check_crc(name, data, m.info->native_crc32.at(t.name), "stored tensor");

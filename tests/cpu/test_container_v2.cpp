@@ -4,11 +4,14 @@
 // for byte and load into the same resident form as version 1; version 1
 // files (tests/data/container-v1, written by the version 1 tool) still
 // verify, restore and load.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -17,9 +20,12 @@
 #include "checkpoint/container.hpp"
 #include "csfmoe/b12x_planes.hpp"
 #include "csfmoe/checkpoint.hpp"
+#include "csfmoe/checkpoint_reader.hpp"
 #include "csfmoe/codec.hpp"
+#include "csfmoe/detail/csf_layout.hpp"
 #include "csfmoe/errors.hpp"
 #include "csfmoe/moe.hpp"
+#include "csfmoe/moe_checkpoint.hpp"
 #include "csfmoe/safetensors.hpp"
 #include "csfmoe/synthetic.hpp"
 #include "test_files.hpp"
@@ -259,6 +265,228 @@ TEST(ContainerB12x, StackedScalesAreRefused) {
     EXPECT_NE(std::string(e.what()).find("per expert"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(fs::exists(d.path / "b.safetensors"));
+}
+
+// --- files written by b12x / vLLM: plain safetensors with plane pairs -------
+
+struct ForeignFile {
+  std::map<std::string, std::vector<std::uint8_t>> native;  // scale name -> its grid
+};
+
+// A per-expert NVFP4 (ModelOpt names) or MXFP4 (X.weight U8 [R, K/2] + planes)
+// layer written the way b12x writes it: the planes under their own names, no
+// csfmoe metadata, the scales absent; plus a BF16 tensor.
+ForeignFile write_foreign(const fs::path& p, ScaleFormat f, std::uint32_t experts, std::mt19937_64& rng,
+                          const std::function<void(const std::string&, CsfPlanes&)>& tamper = {}) {
+  ForeignFile out;
+  const std::uint32_t N = 64, H = f == ScaleFormat::nvfp4 ? 512 : 1024;
+  st::Writer w(p, 1 << 16);
+  for (std::uint32_t e = 0; e < experts; ++e)
+    for (const char* proj : {"gate_proj", "up_proj", "down_proj"}) {
+      const bool down = std::string(proj) == "down_proj";
+      const std::uint32_t R = down ? H : N, K = down ? N : H, C = K / group_size(f);
+      const std::string stem = fmt::format("model.layers.0.mlp.experts.{}.{}", e, proj);
+      std::vector<std::uint8_t> weight(std::uint64_t{R} * K / 2);
+      for (auto& x : weight) x = static_cast<std::uint8_t>(rng());
+      w.add_tensor(stem + ".weight", st::Dtype::U8, {R, K / 2}, weight);
+      const GridShape g{f, ScaleLayout::row_major, 1, R, C};
+      auto grid = synthetic_scales(g, ScaleDistribution::realistic, rng());
+      if (f == ScaleFormat::nvfp4)
+        for (auto& b : grid) b &= 0x7F;  // positive E4M3 scales, as ModelOpt writes them
+      const std::string scale = stem + ".weight_scale";
+      CsfPlanes planes = encode_planes(PlaneShape{f, R, C}, grid, scale);
+      if (tamper) tamper(scale, planes);
+      w.add_tensor(b12x_fixed_name(scale, f), st::Dtype::U8, {R / 16, plane_slab_bytes(f, C)}, planes.fixed);
+      std::vector<std::uint8_t> rec(planes.exceptions.size() * 4);
+      if (!rec.empty()) std::memcpy(rec.data(), planes.exceptions.data(), rec.size());
+      w.add_tensor(b12x_exceptions_name(scale, f), st::Dtype::U32, {planes.exceptions.size()}, rec);
+      if (f == ScaleFormat::nvfp4) {
+        const float g2 = 1e-3f;
+        std::vector<std::uint8_t> b(4);
+        std::memcpy(b.data(), &g2, 4);
+        w.add_tensor(stem + ".weight_scale_2", st::Dtype::F32, {}, b);
+      }
+      out.native[scale] = std::move(grid);
+    }
+  w.add_tensor("model.norm.weight", st::Dtype::BF16, {8}, std::vector<std::uint8_t>(16, 0x3F));
+  w.commit(st::Metadata{{"format", "pt"}});
+  return out;
+}
+
+TEST(ForeignB12x, FilesWrittenByB12xReadVerifyAndDecompress) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  for (ScaleFormat f : {ScaleFormat::nvfp4, ScaleFormat::mxfp4}) {
+    SCOPED_TRACE(to_string(f));
+    TempDir d;
+    const fs::path p = d.path / "b12x.safetensors";
+    const ForeignFile ff = write_foreign(p, f, 2, rng);
+    EXPECT_FALSE(is_csf_container(p));
+    const CheckpointReport ver = verify_checkpoint(p);
+    std::size_t csf = 0;
+    for (const auto& t : ver.tensors) {
+      csf += t.action == TensorAction::csf;
+      EXPECT_EQ(t.reason, kB12xNoChecksum) << t.name;
+    }
+    EXPECT_EQ(csf, 6u);
+    // The reader sees each scale in its planes' place and decodes it.
+    const CheckpointFile file = CheckpointFile::open(p);
+    EXPECT_TRUE(file.is_b12x());
+    for (const auto& [name, grid] : ff.native) {
+      ASSERT_NE(file.find(name), nullptr) << name;
+      EXPECT_EQ(file.find(b12x_fixed_name(name, f)), nullptr) << "planes are not logical tensors";
+      EXPECT_TRUE(file.read(name) == grid) << name;
+      EXPECT_FALSE(file.csf_entry(name)->has_crc32);
+    }
+    // decompress writes the native file: the scales in place, everything else unchanged.
+    decompress_checkpoint(p, d.path / "native.safetensors");
+    const auto nat = st::File::open(d.path / "native.safetensors");
+    for (const auto& [name, grid] : ff.native) {
+      const auto* t = nat.find(name);
+      ASSERT_NE(t, nullptr) << name;
+      EXPECT_EQ(t->dtype, f == ScaleFormat::nvfp4 ? st::Dtype::F8_E4M3 : st::Dtype::U8);
+      const auto bytes = nat.data(*t);
+      EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), grid.begin(), grid.end())) << name;
+      EXPECT_EQ(nat.find(b12x_exceptions_name(name, f)), nullptr);
+    }
+    const auto src = st::File::open(p);
+    const auto* norm = nat.find("model.norm.weight");
+    ASSERT_NE(norm, nullptr);
+    EXPECT_TRUE(std::ranges::equal(nat.data(*norm), src.data(*src.find("model.norm.weight"))));
+    EXPECT_EQ(nat.header().metadata, src.header().metadata);
+    // inspect: the scales as CSF, stored as their planes.
+    const CheckpointReport ins = inspect_checkpoint(p);
+    for (const auto& t : ins.tensors)
+      if (ff.native.count(t.name)) {
+        EXPECT_EQ(t.action, TensorAction::csf) << t.name;
+        EXPECT_EQ(t.stats.encoded_bytes, src.find(b12x_fixed_name(t.name, f))->nbytes() +
+                                             src.find(b12x_exceptions_name(t.name, f))->nbytes());
+      }
+    // Recompressing the restored file in the b12x schema gives the same planes back.
+    CompressOptions o;
+    o.schema = CheckpointSchema::b12x;
+    compress_checkpoint(d.path / "native.safetensors", d.path / "again.safetensors", o);
+    const auto again = st::File::open(d.path / "again.safetensors");
+    for (const auto& [name, grid] : ff.native)
+      EXPECT_TRUE(std::ranges::equal(again.data(*again.find(b12x_fixed_name(name, f))),
+                                     src.data(*src.find(b12x_fixed_name(name, f)))))
+          << name;
+  }
+}
+
+TEST(ForeignB12x, NvfpLayerLoadsLikeItsNativeForm) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  TempDir d;
+  write_foreign(d.path / "b12x.safetensors", ScaleFormat::nvfp4, 3, rng);
+  decompress_checkpoint(d.path / "b12x.safetensors", d.path / "native.safetensors");
+  const std::string layer = "model.layers.0.mlp.experts";
+  const MoeHostWeights a = load_moe_layer(d.path / "b12x.safetensors", layer, 2);
+  const MoeHostWeights b = load_moe_layer(d.path / "native.safetensors", layer, 2);
+  EXPECT_EQ(a.geometry.experts, 3u);
+  EXPECT_TRUE(a.w13_scales == b.w13_scales);
+  EXPECT_TRUE(a.w2_scales == b.w2_scales);
+  EXPECT_TRUE(a.w13 == b.w13);
+}
+
+// Planes that break b12x's rules are refused naming the file and the tensor,
+// by every reader, and decompress leaves nothing behind.
+TEST(ForeignB12x, PlanesThatBreakTheRulesAreRefused) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  struct Case {
+    const char* what;
+    ScaleFormat format;
+    std::function<void(CsfPlanes&)> tamper;
+    const char* needle;
+  };
+  const std::vector<Case> cases = {
+      {"base above 240", ScaleFormat::nvfp4, [](CsfPlanes& p) { p.fixed[3] = 241; }, "240"},
+      {"base above 254", ScaleFormat::mxfp4, [](CsfPlanes& p) { p.fixed[5] = 255; }, "254"},
+      {"records out of order", ScaleFormat::nvfp4,
+       [](CsfPlanes& p) {
+         // Two bytes of row 0 far outside its window make two records; then swap them.
+         auto grid = decode_planes(p, "x");
+         grid[1] = static_cast<std::uint8_t>(grid[0] + 100);
+         grid[2] = static_cast<std::uint8_t>(grid[0] + 101);
+         p = encode_planes(p.shape, grid, "x");
+         ASSERT_GE(p.exceptions.size(), 2u);
+         std::swap(p.exceptions[0], p.exceptions[1]);
+       },
+       "increasing"},
+      {"record out of range", ScaleFormat::nvfp4,
+       [](CsfPlanes& p) { p.exceptions = {csf::make_record(p.shape.rows * p.shape.cols, 0xEE)}; },
+       "position"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    TempDir d;
+    const fs::path p = d.path / "bad.safetensors";
+    bool done = false;
+    write_foreign(p, c.format, 1, rng, [&](const std::string& name, CsfPlanes& planes) {
+      if (!done && name.find("up_proj") != std::string::npos) {
+        c.tamper(planes);
+        done = true;
+      }
+    });
+    const std::string victim = "model.layers.0.mlp.experts.0.up_proj.weight_scale";
+    for (const auto& run : std::vector<std::function<void()>>{
+             [&] { verify_checkpoint(p); }, [&] { decompress_checkpoint(p, d.path / "out.safetensors"); },
+             [&] { (void)CheckpointFile::open(p).read(victim); }}) {
+      try {
+        run();
+        ADD_FAILURE() << "accepted";
+      } catch (const FormatError& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find(p.string()), std::string::npos) << m;
+        EXPECT_NE(m.find(victim), std::string::npos) << m;
+        EXPECT_NE(m.find(c.needle), std::string::npos) << m;
+      }
+    }
+    EXPECT_FALSE(fs::exists(d.path / "out.safetensors"));
+  }
+}
+
+TEST(ForeignB12x, IncompletePairsAndMissingColumnsAreRefused) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const GridShape g{ScaleFormat::mxfp4, ScaleLayout::row_major, 1, 32, 20};
+  const auto grid = synthetic_scales(g, ScaleDistribution::realistic, rng());
+  const CsfPlanes planes = encode_planes(PlaneShape{ScaleFormat::mxfp4, 32, 20}, grid, "x");
+  std::vector<std::uint8_t> rec(planes.exceptions.size() * 4);
+  if (!rec.empty()) std::memcpy(rec.data(), planes.exceptions.data(), rec.size());
+  const auto write = [&](const fs::path& p, bool fixed, bool exc, bool weight, bool scale) {
+    st::Writer w(p, 1 << 16);
+    if (weight) w.add_tensor("x.weight", st::Dtype::U8, {32, 320}, std::vector<std::uint8_t>(32 * 320, 1));
+    if (scale) w.add_tensor("x.weight_scale", st::Dtype::U8, {32, 20}, grid);
+    if (fixed)
+      w.add_tensor(b12x_fixed_name("x.weight_scale", ScaleFormat::mxfp4), st::Dtype::U8,
+                   {2, plane_slab_bytes(ScaleFormat::mxfp4, 20)}, planes.fixed);
+    if (exc)
+      w.add_tensor(b12x_exceptions_name("x.weight_scale", ScaleFormat::mxfp4), st::Dtype::U32,
+                   {planes.exceptions.size()}, rec);
+    w.commit(std::nullopt);
+  };
+  TempDir d;
+  struct Case {
+    bool fixed, exc, weight, scale;
+    const char* needle;
+  };
+  for (const Case c : {Case{true, false, true, false, "without"}, Case{false, true, true, false, "without"},
+                       Case{true, true, false, false, "weight"}, Case{true, true, true, true, "beside"}}) {
+    const fs::path p = d.path / fmt::format("c{}{}{}{}.safetensors", c.fixed, c.exc, c.weight, c.scale);
+    write(p, c.fixed, c.exc, c.weight, c.scale);
+    try {
+      verify_checkpoint(p);
+      ADD_FAILURE() << p;
+    } catch (const FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find("x.weight_scale"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(c.needle), std::string::npos) << e.what();
+    }
+  }
+  // Complete, with its weight: verifies and restores the grid.
+  write(d.path / "ok.safetensors", true, true, true, false);
+  EXPECT_TRUE(CheckpointFile::open(d.path / "ok.safetensors").read("x.weight_scale") == grid);
 }
 
 }  // namespace
