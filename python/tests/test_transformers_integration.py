@@ -1,0 +1,236 @@
+"""csfmoe.integrations.transformers on the CPU: tiny random transformers MoE
+models, patched, against the unpatched model given the same dequantized FP4
+expert weights."""
+
+import copy
+
+import pytest
+import torch
+
+import csfmoe
+
+transformers = pytest.importorskip("transformers")
+from csfmoe.integrations import transformers as integ  # noqa: E402
+
+VOCAB, HIDDEN, PROMPT, STEPS = 256, 128, 12, 16
+
+
+def tiny_model(family, seed, moe_intermediate=64):
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    if family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, head_dim=32, intermediate_size=256,
+                                          moe_intermediate_size=moe_intermediate, num_experts=8,
+                                          num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                                          norm_topk_prob=True)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif family == "mixtral":
+        cfg = transformers.MixtralConfig(**common, intermediate_size=moe_intermediate, num_local_experts=4,
+                                         num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(cfg)
+    elif family == "deepseek_v3":
+        # MoE layers with grouped top-k (2 of 4 groups), score correction
+        # and a shared expert.
+        cfg = transformers.DeepseekV3Config(**common, intermediate_size=256, moe_intermediate_size=moe_intermediate,
+                                            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+                                            topk_group=2, first_k_dense_replace=0, q_lora_rank=64, kv_lora_rank=32,
+                                            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
+                                            routed_scaling_factor=2.5, rope_scaling=None)
+        model = transformers.DeepseekV3ForCausalLM(cfg)
+    elif family == "gpt_oss":
+        cfg = transformers.GptOssConfig(**common, head_dim=32, intermediate_size=moe_intermediate,
+                                        num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"])
+        model = transformers.GptOssForCausalLM(cfg)
+    else:
+        raise AssertionError(family)
+    # transformers initializes with std 0.02: the experts would barely move
+    # the residual stream. Weights of unit-gain scale make each block's
+    # output matter, gpt-oss gates past its clamp limit, and routing uneven.
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name and p.dim() == 3:
+                fan_in = p.shape[-2] if family == "gpt_oss" else p.shape[-1]
+                gain = 3.0 if family == "gpt_oss" and "gate_up" in name else 1.0
+                p.copy_(torch.randn(p.shape, generator=g) * gain / fan_in**0.5)
+            elif ".experts." in name:  # gpt-oss biases
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif name.endswith((".gate.weight", ".router.weight")):
+                p.copy_(torch.randn(p.shape, generator=g) / HIDDEN**0.5)
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model.eval()
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+BLOCKS = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock", "deepseek_v3": "DeepseekV3MoE",
+          "gpt_oss": "GptOssMLP"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fmt,scales", [("nvfp4", "csf"), ("mxfp4", "native")])
+def test_patched_model_matches_dequantized_reference(seed, family, fmt, scales):
+    model = tiny_model(family, seed)
+    g = torch.Generator().manual_seed(seed + 2)
+    prompt = torch.randint(0, VOCAB, (2, PROMPT), generator=g)
+    with torch.no_grad():
+        bf16_logits = model(prompt).logits
+        reference = copy.deepcopy(model)
+        assert integ.patch_model(model, format=fmt, scales=scales) is model
+        patched = [m for m in model.modules() if isinstance(m, integ.CsfExperts)]
+        assert len(patched) == 2 and all(type(b).__name__ == BLOCKS[family] for b in model.modules()
+                                         if isinstance(getattr(b, "experts", None), integ.CsfExperts))
+        assert all(m.format == fmt and m.scales == scales for m in patched)
+        loaded = reference.load_state_dict(integ.dequantized_expert_weights(model), strict=False)
+        assert not loaded.unexpected_keys
+        got, want = model(prompt).logits, reference(prompt).logits
+        assert rel(got, want) < 1e-2
+        # The FP4 experts move the logits far beyond that tolerance: the
+        # comparison above sees the experts.
+        assert rel(got, bf16_logits) > 10 * max(rel(got, want), 1e-4)
+        out = model.generate(prompt[:1], max_new_tokens=STEPS, do_sample=False)
+        ref = reference.generate(prompt[:1], max_new_tokens=STEPS, do_sample=False)
+    assert out.shape[1] == PROMPT + STEPS
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unpatch_restores_outputs_bit_identical(seed, family):
+    model = tiny_model(family, seed)
+    prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
+    originals = {n: m for n, m in model.named_modules() if n.endswith(".experts")}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        before = model(prompt).logits
+        integ.patch_model(model)
+        assert integ.is_patched(model)
+        patched = model(prompt).logits
+        assert not torch.equal(patched, before)
+        integ.unpatch_model(model)
+        after = model(prompt).logits
+    assert not integ.is_patched(model)
+    assert torch.equal(after, before)
+    assert {n: m for n, m in model.named_modules() if n.endswith(".experts")} == originals
+    for n, p in model.named_parameters():
+        assert torch.equal(p, params[n]), n
+    integ.patch_model(model, format="mxfp4", scales="native")  # patchable again
+    assert integ.is_patched(model)
+
+
+def test_already_patched_is_refused(seed):
+    model = tiny_model("qwen3_moe", seed)
+    integ.patch_model(model)
+    experts = [m for m in model.modules() if isinstance(m, integ.CsfExperts)]
+    with pytest.raises(csfmoe.InvalidArgument, match="already patched"):
+        integ.patch_model(model)
+    assert [m for m in model.modules() if isinstance(m, integ.CsfExperts)] == experts
+    # A copy of a patched model's block inside another model is caught too.
+    outer = torch.nn.Sequential(model.model.layers[0])
+    with pytest.raises(csfmoe.InvalidArgument, match="already patched"):
+        integ.patch_model(outer)
+
+
+def test_unpatch_of_unpatched_model_is_refused(seed):
+    with pytest.raises(csfmoe.InvalidArgument, match="not patched"):
+        integ.unpatch_model(tiny_model("mixtral", seed))
+    with pytest.raises(csfmoe.InvalidArgument, match="not patched"):
+        integ.expert_memory(tiny_model("mixtral", seed))
+
+
+def test_model_without_supported_block_is_refused(seed):
+    torch.manual_seed(seed)
+    dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(csfmoe.Unsupported, match="LlamaForCausalLM has no sparse-MoE block"):
+        integ.patch_model(dense)
+    olmoe = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_experts=4, num_experts_per_tok=2))
+    with pytest.raises(csfmoe.Unsupported, match="OlmoeSparseMoeBlock"):
+        integ.patch_model(olmoe)
+    with pytest.raises(csfmoe.InvalidArgument, match="torch.nn.Module"):
+        integ.patch_model("model")
+    assert not integ.is_patched(dense) and not integ.is_patched(olmoe)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_expert_shapes_the_kernels_cannot_run(seed, family):
+    # N = 96: a multiple of both group sizes (the quantizer takes it), not of
+    # the kernels' 64 tile.
+    model = tiny_model(family, seed, moe_intermediate=96)
+    with pytest.raises(csfmoe.InvalidArgument, match=r"cannot run these experts.*intermediate = 96"):
+        integ.patch_model(model)
+    assert not integ.is_patched(model)
+    assert not any(isinstance(m, integ.CsfExperts) for m in model.modules())
+
+
+def test_failure_in_a_later_block_changes_nothing(seed):
+    model = tiny_model("qwen3_moe", seed)
+    model.model.layers[1].mlp.experts.act_fn = torch.nn.GELU()
+    first = model.model.layers[0].mlp.experts
+    with pytest.raises(csfmoe.Unsupported, match=r"layers\.1\.mlp\.experts.*not SiLU"):
+        integ.patch_model(model)
+    assert model.model.layers[0].mlp.experts is first
+    assert not integ.is_patched(model)
+
+
+def test_bad_options_are_refused(seed):
+    model = tiny_model("mixtral", seed)
+    with pytest.raises(csfmoe.InvalidArgument, match="format"):
+        integ.patch_model(model, format="fp8")
+    with pytest.raises(csfmoe.InvalidArgument, match="scales"):
+        integ.patch_model(model, scales="zip")
+    assert not integ.is_patched(model)
+
+
+def test_gpt_oss_activation_is_refused_on_cuda(seed):
+    # Checked before anything reaches a device: runs without a GPU.
+    model = tiny_model("gpt_oss", seed)
+    with pytest.raises(csfmoe.Unsupported, match="clamped SwiGLU"):
+        integ.patch_model(model, device="cuda")
+    assert not integ.is_patched(model)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_bf16_cpu_path_is_the_library_reference(seed, fmt):
+    """bf16 hidden states on the CPU run csfmoe.moe_reference (C++, float64);
+    the float64 PyTorch path on the same bf16 inputs agrees to bf16 rounding."""
+    model = tiny_model("qwen3_moe", seed)
+    integ.patch_model(model, format=fmt)
+    experts = model.model.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(seed)
+    t = 9
+    x = torch.randn(t, HIDDEN, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(t)])
+    w = torch.softmax(torch.randn(t, 2, generator=g), 1)
+    got = experts(x, ids, w)
+    want = experts._reference(x, ids, w)
+    assert got.dtype == torch.bfloat16
+    assert rel(got, want) < 4e-3
+
+
+def test_expert_memory_counts_fp4_bytes(seed):
+    h, n, e, layers = HIDDEN, 64, 8, 2
+    native = integ.patch_model(tiny_model("qwen3_moe", seed), scales="native")
+    csf = integ.patch_model(tiny_model("qwen3_moe", seed), scales="csf")
+    mem_native, mem_csf = integ.expert_memory(native), integ.expert_memory(csf)
+    assert mem_native["weights"] == mem_csf["weights"] == layers * e * 3 * h * n // 2
+    assert mem_native["scales"] == layers * e * 3 * h * n // 16
+    want = sum(m.layer.w13_scale.nbytes + m.layer.w2_scale.nbytes for m in csf.modules()
+               if isinstance(m, integ.CsfExperts))
+    assert mem_csf["scales"] == want
+    assert mem_native["bf16_equivalent"] == layers * e * 3 * h * n * 2
+
+
+def test_csf_and_native_scales_give_the_same_outputs(seed):
+    native = integ.patch_model(tiny_model("deepseek_v3", seed), scales="native")
+    csf = integ.patch_model(tiny_model("deepseek_v3", seed), scales="csf")
+    prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        assert torch.equal(native(prompt).logits, csf(prompt).logits)
