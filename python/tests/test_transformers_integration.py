@@ -186,6 +186,10 @@ def test_bad_options_are_refused(seed):
         integ.patch_model(model, format="fp8")
     with pytest.raises(csfmoe.InvalidArgument, match="scales"):
         integ.patch_model(model, scales="zip")
+    with pytest.raises(csfmoe.InvalidArgument, match="expand_ahead needs scales='csf'"):
+        integ.patch_model(model, scales="native", expand_ahead=True)
+    with pytest.raises(csfmoe.InvalidArgument, match="expand_ahead needs all MoE blocks on one CUDA device"):
+        integ.patch_model(model, expand_ahead=True)
     assert not integ.is_patched(model)
 
 

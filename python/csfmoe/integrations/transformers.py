@@ -172,7 +172,8 @@ class CsfExperts(nn.Module):
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, topk: int, format: str = "nvfp4",
                  scales: str = "csf", device: Optional[torch.device] = None, b13: Optional[torch.Tensor] = None,
                  b2: Optional[torch.Tensor] = None, swiglu: str = "silu",
-                 clamp: Optional[Tuple[float, float]] = None, max_tokens: int = 4096, name: str = "experts"):
+                 clamp: Optional[Tuple[float, float]] = None, max_tokens: int = 4096, name: str = "experts",
+                 scratch=None, scales_expanded: bool = False):
         super().__init__()
         if format not in FORMATS:
             raise InvalidArgument(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
@@ -197,7 +198,10 @@ class CsfExperts(nn.Module):
         self.layer = _moe.PreparedExperts(q13["packed"].to(device), q2["packed"].to(device),
                                           q13["scales"].to(device), q2["scales"].to(device),
                                           q13["global"].to(device), q2["global"].to(device), format, "w13", topk,
-                                          compression, max_tokens=max_tokens)
+                                          compression, max_tokens=max_tokens, scales_expanded=scales_expanded,
+                                          scratch=scratch)
+        self._chain: Optional[_ExpandAhead] = None
+        self._chain_index = 0
         # Biases stay in the model's precision: csfmoe quantizes weights only.
         self.b13 = None if b13 is None else b13.to(device).clone()
         self.b2 = None if b2 is None else b2.to(device).clone()
@@ -282,11 +286,15 @@ class CsfExperts(nn.Module):
         x = hidden_states.to(torch.bfloat16).contiguous()
         ids = top_k_index.contiguous()
         w = top_k_weights.to(torch.float32).contiguous()
+        if self._chain is not None:
+            self._chain.before_call(self._chain_index)
         if x.shape[0] <= self.max_tokens:
             out = self.layer(x, ids, w)
         else:  # a prefill longer than the layer's workspace
             out = torch.cat([self.layer(x[i:i + self.max_tokens], ids[i:i + self.max_tokens],
                                         w[i:i + self.max_tokens]) for i in range(0, x.shape[0], self.max_tokens)])
+        if self._chain is not None:
+            self._chain.after_call(self._chain_index)
         return out.to(hidden_states.dtype)
 
     def memory(self) -> Dict[str, int]:
@@ -296,6 +304,53 @@ class CsfExperts(nn.Module):
         biases = sum(b.numel() * b.element_size() for b in (self.b13, self.b2) if b is not None)
         return {"weights": L.w13.numel() + L.w2.numel(), "scales": int(L.resident_scale_bytes()),
                 "globals": 4 * (L.w13_global.numel() + L.w2_global.numel()), "biases": biases}
+
+
+class _ExpandAhead:
+    """One scale scratch shared by all patched layers (CUDA, CSF scales):
+    layer i+1's scales expand on a side stream while the rest of layer i
+    and the attention of layer i+1 run; two events order the reuse of the
+    scratch. Each forward starts by expanding the first layer's scales, and
+    everything forked to the side stream joins the current stream before the
+    last layer's call, so a forward is self-contained (CUDA-graph capture
+    sees a fork and a join)."""
+
+    def __init__(self, layers: List["CsfExperts"]):
+        self.layers = layers
+        dev = layers[0].device
+        self.side = torch.cuda.Stream(dev)
+        self.expanded = torch.cuda.Event()
+        self.consumed = torch.cuda.Event()
+        self.next = 0  # the layer whose scales the side stream expands last
+        for i, m in enumerate(layers):
+            m._chain, m._chain_index = self, i
+
+    def _expand(self, i: int, after: Optional[torch.cuda.Event]) -> None:
+        with torch.cuda.stream(self.side):
+            if after is not None:
+                self.side.wait_event(after)
+            self.layers[i].layer.expand_scales()
+            self.expanded.record(self.side)
+
+    def before_call(self, i: int) -> None:
+        if i not in (0, self.next):
+            raise InvalidArgument(f"{self.layers[i].name}: expand_ahead expands the layers' scales in model order, "
+                                  f"but layer {i} runs after layer {self.next - 1}")
+        cur = torch.cuda.current_stream(self.layers[i].device)
+        if i == 0:
+            self.side.wait_stream(cur)
+            self._expand(0, None)
+        cur.wait_event(self.expanded)
+
+    def after_call(self, i: int) -> None:
+        self.next = i + 1
+        if i + 1 < len(self.layers):
+            self.consumed.record(torch.cuda.current_stream(self.layers[i].device))
+            self._expand(i + 1, self.consumed)
+
+    def detach(self) -> None:
+        for m in self.layers:
+            m._chain = None
 
 
 def _find_blocks(model: nn.Module):
@@ -315,7 +370,7 @@ def is_patched(model: nn.Module) -> bool:
 
 def patch_model(model: nn.Module, format: str = "nvfp4", scales: str = "csf",
                 device: Optional[torch.device] = None, max_tokens: int = 4096,
-                offload_original: bool = True) -> nn.Module:
+                offload_original: bool = True, expand_ahead: bool = False) -> nn.Module:
     """Run the routed experts of `model`'s supported sparse-MoE blocks on
     csfmoe (in place; returns `model`).
 
@@ -340,19 +395,31 @@ def patch_model(model: nn.Module, format: str = "nvfp4", scales: str = "csf",
     if is_patched(model):
         raise InvalidArgument(f"patch_model: {type(model).__name__} is already patched by csfmoe "
                               f"(call unpatch_model first)")
+    if expand_ahead and scales != "csf":
+        raise InvalidArgument("patch_model: expand_ahead needs scales='csf' (native scales need no expansion)")
     blocks, unsupported = _find_blocks(model)
     if not blocks:
         found = f"; it has MoE blocks of unsupported classes {sorted(set(unsupported))}" if unsupported else ""
         raise Unsupported(f"patch_model: {type(model).__name__} has no sparse-MoE block csfmoe supports{found}. "
                           f"Supported blocks: {', '.join(SUPPORTED_BLOCKS)}")
-    replacements = []
+    found = []
     for name, block, kind in blocks:
-        experts = getattr(block, "experts", None)
-        w13, w2, b13, b2, clamp = _expert_params(name, kind, experts)
-        topk = _topk_of(name, kind, block)
+        w13, w2, b13, b2, clamp = _expert_params(name, kind, getattr(block, "experts", None))
         dev = torch.device(device) if device is not None else w13.device
+        found.append((name, block, kind, (w13, w2, b13, b2, clamp), _topk_of(name, kind, block), dev))
+    if expand_ahead:
+        shapes = {(tuple(p[0].shape), tuple(p[1].shape), k, d) for _, _, _, p, k, d in found}
+        if len(shapes) != 1 or next(iter(shapes))[3].type != "cuda":
+            raise InvalidArgument(f"patch_model: expand_ahead needs all MoE blocks on one CUDA device with one "
+                                  f"geometry (they share a scale scratch); found {sorted(map(str, shapes))}")
+    replacements = []
+    for name, block, kind, (w13, w2, b13, b2, clamp), topk, dev in found:
+        scratch = replacements[0][2].layer.scratch if expand_ahead and replacements else None
         replacements.append((name, block, CsfExperts(w13, w2, topk, format, scales, dev, b13, b2, kind.swiglu, clamp,
-                                                     max_tokens, name=f"{name}.experts")))
+                                                     max_tokens, name=f"{name}.experts", scratch=scratch,
+                                                     scales_expanded=expand_ahead)))
+    if expand_ahead:
+        _ExpandAhead([new for _, _, new in replacements])
     swaps = []
     for name, block, new in replacements:
         original = block.experts
@@ -377,6 +444,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
             raise InvalidArgument(f"unpatch_model: {swap.name}.experts was replaced after patching "
                                   f"({type(swap.block.experts).__name__}); not restoring over it")
     for swap in record.swaps:
+        swap.block.experts._chain = None
         swap.original.to(swap.original_device)
         swap.block.experts = swap.original
     delattr(model, _PATCH_ATTR)
