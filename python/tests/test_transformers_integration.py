@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import csfmoe
+from docs_example import example
 
 transformers = pytest.importorskip("transformers")
 from csfmoe.integrations import transformers as integ  # noqa: E402
@@ -238,3 +239,8 @@ def test_csf_and_native_scales_give_the_same_outputs(seed):
     prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         assert torch.equal(native(prompt).logits, csf(prompt).logits)
+
+
+def test_docs_example_runs_as_written(capsys):
+    exec(compile(example("transformers"), "docs/python.md:transformers", "exec"), {})
+    assert "bf16_equivalent" in capsys.readouterr().out
