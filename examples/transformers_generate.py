@@ -90,26 +90,33 @@ def sync(device):
 
 
 def timed_generate(model, prompt, new_tokens, device, static_cache):
-    """Greedy generation of `new_tokens` tokens; prefill tokens/s from a
-    one-token generation, decode tokens/s from the remaining steps."""
-    kw = dict(do_sample=False, output_scores=True, return_dict_in_generate=True)
+    """Greedy generation of `new_tokens` tokens with model.generate, and
+    prefill and decode tokens/s timed on a plain loop of cached forwards
+    (best of two runs; generate's own overhead left out)."""
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, output_scores=True,
+              return_dict_in_generate=True)
     if static_cache:
         kw["cache_implementation"] = "static"
 
-    def run(n):
+    def loop():
         sync(device)
         t0 = time.perf_counter()
-        out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
+        out = model(prompt, use_cache=True)
         sync(device)
-        return out, time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            token = out.logits[:, -1:].argmax(-1)
+            out = model(token, past_key_values=out.past_key_values, use_cache=True)
+        sync(device)
+        return t1 - t0, time.perf_counter() - t1
 
     with torch.no_grad():
-        run(2)  # warm-up: workspaces, kernels, allocator
-        _, prefill = run(1)
-        out, total = run(new_tokens)
+        loop()  # warm-up: workspaces, kernels, allocator
+        times = [loop() for _ in range(2)]
+        out = model.generate(prompt, **kw)
     b, p = prompt.shape
-    decode = b * (new_tokens - 1) / max(total - prefill, 1e-9)
-    return out, b * p / prefill, decode
+    prefill, decode = min(t[0] for t in times), min(t[1] for t in times)
+    return out, b * p / prefill, b * (new_tokens - 1) / decode
 
 
 def first_divergence(a, b, scores_a, scores_b, prompt_len):
@@ -135,6 +142,8 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--static-cache", action="store_true", help="generate with transformers' static KV cache")
+    ap.add_argument("--expand-ahead", action="store_true",
+                    help="CSF run: shared scale scratch, next layer's scales expanded on a side stream (CUDA)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.new_tokens < 2:
@@ -142,6 +151,10 @@ def main():
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda" and args.family == "gpt_oss":
+        raise SystemExit("gpt-oss experts (clamped SwiGLU with biases) run on the CPU reference only: "
+                         "the csfmoe kernels compute SiLU(gate) * up without biases")
+
     model = build_model(args.family, args.geometry, args.layers, args.seed)
     give_experts_weight(model, args.seed + 1)
     model = model.to(device=device, dtype=dtype).eval()
@@ -151,27 +164,27 @@ def main():
           f"{dtype}, batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens")
 
     rows = []
-    if not (device.type == "cuda" and args.family == "gpt_oss"):
-        _, pre, dec = timed_generate(model, prompt, args.new_tokens, device, args.static_cache)
-        rows.append(("stock (BF16 experts)" if dtype == torch.bfloat16 else "stock (FP32 experts)", pre, dec, None))
+    _, pre, dec = timed_generate(model, prompt, args.new_tokens, device, args.static_cache)
+    rows.append((f"stock ({str(dtype).replace('torch.', '')} experts)", pre, dec, None))
 
-    reference = None
+    # Unpatched copy that will hold the same dequantized FP4 expert weights.
+    reference = copy.deepcopy(model)
     results = {}
     for scales in ("native", "csf"):
-        integ.patch_model(model, format=args.format, scales=scales)
-        if reference is None:
-            # Unpatched copy with the same dequantized FP4 weights, in the model's dtype.
-            integ.unpatch_model(model)
-            reference = copy.deepcopy(model)
-            integ.patch_model(model, format=args.format, scales=scales)
-            reference.load_state_dict({k: v.to(device) for k, v in integ.dequantized_expert_weights(model).items()},
-                                      strict=False)
+        t0 = time.perf_counter()
+        integ.patch_model(model, format=args.format, scales=scales,
+                          expand_ahead=args.expand_ahead and scales == "csf")
+        print(f"patched ({scales} scales) in {time.perf_counter() - t0:.1f} s")
+        if scales == "native":
+            weights = integ.dequantized_expert_weights(model, dtype=dtype)
+            reference.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False)
+            del weights
         out, pre, dec = timed_generate(model, prompt, args.new_tokens, device, args.static_cache)
         results[scales] = out
         rows.append((f"csfmoe {args.format}, {scales} scales", pre, dec, integ.expert_memory(model)))
         integ.unpatch_model(model)
     ref_out, pre, dec = timed_generate(reference, prompt, args.new_tokens, device, args.static_cache)
-    rows.append(("reference (dequantized FP4 in " + str(dtype).replace("torch.", "") + ")", pre, dec, None))
+    rows.append((f"reference (dequantized FP4 in {str(dtype).replace('torch.', '')})", pre, dec, None))
 
     print(f"{'model':44} {'prefill tok/s':>14} {'decode tok/s':>13} {'expert bytes':>13} {'scale bytes':>12}")
     for name, pre, dec, mem in rows:
