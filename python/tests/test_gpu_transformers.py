@@ -52,7 +52,8 @@ def greedy_agrees(out, ref, prompt_len):
 def test_patched_model_on_gpu_matches_dequantized_reference(seed, family, fmt, scales, ahead):
     model, reference = patched_and_reference(family, seed, format=fmt, scales=scales, expand_ahead=ahead)
     prompt = torch.randint(0, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(seed)).cuda()
-    kw = dict(max_new_tokens=STEPS, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    kw = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, output_scores=True,
+              return_dict_in_generate=True)
     with torch.no_grad():
         assert rel(model(prompt).logits, reference(prompt).logits) < 3e-2
         out = model.generate(prompt[:1], **kw)

@@ -95,8 +95,8 @@ def test_patched_model_matches_dequantized_reference(seed, family, fmt, scales):
         # The FP4 experts move the logits far beyond that tolerance: the
         # comparison above sees the experts.
         assert rel(got, bf16_logits) > 10 * max(rel(got, want), 1e-4)
-        out = model.generate(prompt[:1], max_new_tokens=STEPS, do_sample=False)
-        ref = reference.generate(prompt[:1], max_new_tokens=STEPS, do_sample=False)
+        out = model.generate(prompt[:1], max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
+        ref = reference.generate(prompt[:1], max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
     assert out.shape[1] == PROMPT + STEPS
     assert torch.equal(out, ref)
 
