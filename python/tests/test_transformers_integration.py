@@ -244,3 +244,50 @@ def test_csf_and_native_scales_give_the_same_outputs(seed):
 def test_docs_example_runs_as_written(capsys):
     exec(compile(example("transformers"), "docs/python.md:transformers", "exec"), {})
     assert "bf16_equivalent" in capsys.readouterr().out
+
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def mxfp4_exact(shape, g):
+    """[E, R, K] values that MXFP4 quantizes without loss: E2M1 values times
+    a power of two per 32-block, each block holding a +-6 (its amax)."""
+    e, r, k = shape
+    codes = E2M1[torch.randint(0, 8, (e, r, k), generator=g)]
+    codes = codes * (torch.randint(0, 2, (e, r, k), generator=g) * 2 - 1)
+    blocks = codes.view(e, r, k // 32, 32)
+    at = torch.randint(0, 32, (e, r, k // 32, 1), generator=g)
+    blocks.scatter_(-1, at, 6.0 * (torch.randint(0, 2, (e, r, k // 32, 1), generator=g) * 2 - 1))
+    exponent = torch.randint(-9, -4, (e, r, k // 32, 1), generator=g).float()
+    return (blocks * torch.pow(2.0, exponent)).view(e, r, k)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp4_exact_experts_reproduce_the_original_model(seed, family):
+    """Expert weights that MXFP4 represents exactly: the patched model must
+    compute what the original model computes, which checks each class's
+    layout (gate/up order, gpt-oss's transposes and interleaved rows, biases)
+    against transformers' own expert code, not against our reference."""
+    model = tiny_model(family, seed)
+    g = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name and p.dim() == 3:
+                if family == "gpt_oss":  # [E, K, R]: x @ W
+                    p.copy_(mxfp4_exact((p.shape[0], p.shape[2], p.shape[1]), g).transpose(1, 2))
+                else:
+                    p.copy_(mxfp4_exact(tuple(p.shape), g))
+    originals = {n: p.detach().clone() for n, p in model.named_parameters() if ".experts." in n and p.dim() == 3}
+    prompt = torch.randint(0, VOCAB, (2, PROMPT), generator=g)
+    with torch.no_grad():
+        want = model(prompt).logits
+        ref = model.generate(prompt[:1], max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
+        integ.patch_model(model, format="mxfp4", scales="csf")
+        deq = integ.dequantized_expert_weights(model)
+        assert deq.keys() == originals.keys()
+        for n, w in originals.items():
+            assert torch.equal(deq[n], w), n
+        got = model(prompt).logits
+        out = model.generate(prompt[:1], max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
+    assert rel(got, want) < 1e-5
+    assert torch.equal(out, ref)
