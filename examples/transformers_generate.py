@@ -35,7 +35,12 @@ GEOMETRIES = {
 }
 
 
-def build_model(family: str, geometry: str, layers: int, seed: int):
+def build_model(family: str, geometry: str, layers: int, seed: int, device: torch.device):
+    with torch.device(device):  # initialized where it runs: fast for real geometries
+        return _build_model(family, geometry, layers, seed)
+
+
+def _build_model(family: str, geometry: str, layers: int, seed: int):
     import transformers as tf
 
     h, n, e, k, heads, kv = GEOMETRIES[geometry]
@@ -71,17 +76,18 @@ def build_model(family: str, geometry: str, layers: int, seed: int):
 def give_experts_weight(model, seed: int) -> None:
     """transformers' std-0.02 init leaves the experts nearly silent; give
     them (and the routers) unit-gain weights so that they shape the output."""
-    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            g = torch.Generator(device=p.device).manual_seed(seed)
+            seed += 1
             if ".experts." in name and p.dim() == 3:
                 transposed = type(model).__name__.startswith("GptOss")
                 fan_in = p.shape[-2] if transposed else p.shape[-1]
-                p.copy_((torch.randn(p.shape, generator=g) / fan_in**0.5).to(p.dtype))
+                p.normal_(0.0, fan_in**-0.5, generator=g)
             elif ".experts." in name:
-                p.copy_((torch.randn(p.shape, generator=g) * 0.1).to(p.dtype))
+                p.normal_(0.0, 0.1, generator=g)
             elif name.endswith((".gate.weight", ".router.weight")):
-                p.copy_((torch.randn(p.shape, generator=g) / p.shape[-1]**0.5).to(p.dtype))
+                p.normal_(0.0, p.shape[-1]**-0.5, generator=g)
 
 
 def sync(device):
@@ -155,9 +161,9 @@ def main():
         raise SystemExit("gpt-oss experts (clamped SwiGLU with biases) run on the CPU reference only: "
                          "the csfmoe kernels compute SiLU(gate) * up without biases")
 
-    model = build_model(args.family, args.geometry, args.layers, args.seed)
+    model = build_model(args.family, args.geometry, args.layers, args.seed, device)
     give_experts_weight(model, args.seed + 1)
-    model = model.to(device=device, dtype=dtype).eval()
+    model = model.to(dtype=dtype).eval()
     prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len),
                            generator=torch.Generator().manual_seed(args.seed + 2)).to(device)
     print(f"{type(model).__name__}: {args.layers} layers, geometry {args.geometry}, {args.format}, {device}, "
