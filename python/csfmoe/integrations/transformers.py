@@ -224,14 +224,16 @@ class CsfExperts(nn.Module):
 
     def dequantized(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Exact float64 W13 [E, 2N, H] (gate rows, then up rows) and W2
-        [E, H, N] on the CPU. Cached on a CPU layer."""
+        [E, H, N] on the layer's device. Cached on a CPU layer."""
         if self._dequantized is not None:
             return self._dequantized
         if self.layer.w13_scale is None:
-            raise Unsupported(f"{self.name}: a CUDA layer with CSF scales keeps no host copy of its scales")
+            raise Unsupported(f"{self.name}: a CUDA layer with CSF scales keeps no native copy of its scales; "
+                              f"patch with scales='native' to read its dequantized weights")
         s13, s2 = self._native_scales()
-        w = (dequantize(self.layer.w13.cpu(), s13.cpu(), self.layer.w13_global.cpu(), self.format),
-             dequantize(self.layer.w2.cpu(), s2.cpu(), self.layer.w2_global.cpu(), self.format))
+        L = self.layer
+        w = (dequantize(L.w13, s13.to(L.w13.device), L.w13_global, self.format),
+             dequantize(L.w2, s2.to(L.w2.device), L.w2_global, self.format))
         if self.device.type == "cpu":
             self._dequantized = w
         return w
@@ -476,8 +478,8 @@ def dequantized_expert_weights(model: nn.Module, dtype: Optional[torch.dtype] = 
             inter = torch.empty_like(w13)
             inter[:, 0::2], inter[:, 1::2] = w13[:, :m.intermediate_dim], w13[:, m.intermediate_dim:]
             w13, w2 = inter.transpose(1, 2), w2.transpose(1, 2)
-        out[f"{name}.gate_up_proj"] = w13.to(dt).contiguous()
-        out[f"{name}.down_proj"] = w2.to(dt).contiguous()
+        out[f"{name}.gate_up_proj"] = w13.to(dt).contiguous().cpu()
+        out[f"{name}.down_proj"] = w2.to(dt).contiguous().cpu()
     return out
 
 
