@@ -100,3 +100,21 @@ def test_expand_ahead_refuses_out_of_order_layers(seed):
     w = torch.full((3, experts.top_k), 0.5, device="cuda")
     with pytest.raises(csfmoe.InvalidArgument, match="model order"):
         experts(x, ids, w)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_csf_layers_share_one_scale_scratch(seed, share):
+    model = tiny_model("qwen3_moe", seed).to(device="cuda", dtype=torch.bfloat16)
+    integ.patch_model(model, scales="csf", share_scratch=share)
+    layers = [m for m in model.modules() if isinstance(m, integ.CsfExperts)]
+    ptrs = {t.data_ptr() for m in layers for t in m.scratch_tensors()}
+    assert len(ptrs) == (2 if share else 2 * len(layers))
+    one = layers[0].num_experts * 3 * layers[0].hidden_dim * layers[0].intermediate_dim // 16
+    assert integ.expert_memory(model)["scratch"] == (one if share else one * len(layers))
+    prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(seed)).cuda()
+    with torch.no_grad():
+        got = model(prompt).logits
+    integ.unpatch_model(model)
+    integ.patch_model(model, scales="native")
+    with torch.no_grad():
+        assert rel(got, model(prompt).logits) < 1e-2

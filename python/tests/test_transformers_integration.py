@@ -230,6 +230,8 @@ def test_expert_memory_counts_fp4_bytes(seed):
     want = sum(m.layer.w13_scale.nbytes + m.layer.w2_scale.nbytes for m in csf.modules()
                if isinstance(m, integ.CsfExperts))
     assert mem_csf["scales"] == want
+    assert mem_native["scratch"] == mem_csf["scratch"] == 0  # CPU layers decode, they keep no device scratch
+    assert mem_csf["total"] == mem_csf["weights"] + mem_csf["scales"] + mem_csf["globals"]
     assert mem_native["bf16_equivalent"] == layers * e * 3 * h * n * 2
 
 

@@ -299,9 +299,16 @@ class CsfExperts(nn.Module):
             self._chain.after_call(self._chain_index)
         return out.to(hidden_states.dtype)
 
+    def scratch_tensors(self) -> List[torch.Tensor]:
+        """The device scale scratch this layer expands CSF scales into (CUDA,
+        scales="csf"; possibly shared with other layers), else []."""
+        scratch = getattr(self.layer, "scratch", None)
+        return [t for t in (scratch or ()) if t is not None]
+
     def memory(self) -> Dict[str, int]:
-        """Resident bytes: FP4 weights, block scales (CSF or native), global
-        scales and biases."""
+        """Resident bytes: FP4 weights, block scales (CSF parts and index, or
+        native), global scales and biases; the scale scratch is not counted
+        (expert_memory counts each shared scratch once)."""
         L = self.layer
         biases = sum(b.numel() * b.element_size() for b in (self.b13, self.b2) if b is not None)
         return {"weights": L.w13.numel() + L.w2.numel(), "scales": int(L.resident_scale_bytes()),
@@ -372,7 +379,7 @@ def is_patched(model: nn.Module) -> bool:
 
 def patch_model(model: nn.Module, format: str = "nvfp4", scales: str = "csf",
                 device: Optional[torch.device] = None, max_tokens: int = 4096,
-                offload_original: bool = True, expand_ahead: bool = False) -> nn.Module:
+                offload_original: bool = True, expand_ahead: bool = False, share_scratch: bool = True) -> nn.Module:
     """Run the routed experts of `model`'s supported sparse-MoE blocks on
     csfmoe (in place; returns `model`).
 
@@ -414,12 +421,16 @@ def patch_model(model: nn.Module, format: str = "nvfp4", scales: str = "csf",
         if len(shapes) != 1 or next(iter(shapes))[3].type != "cuda":
             raise InvalidArgument(f"patch_model: expand_ahead needs all MoE blocks on one CUDA device with one "
                                   f"geometry (they share a scale scratch); found {sorted(map(str, shapes))}")
-    replacements = []
+    replacements, scratches = [], {}
     for name, block, kind, (w13, w2, b13, b2, clamp), topk, dev in found:
-        scratch = replacements[0][2].layer.scratch if expand_ahead and replacements else None
-        replacements.append((name, block, CsfExperts(w13, w2, topk, format, scales, dev, b13, b2, kind.swiglu, clamp,
-                                                     max_tokens, name=f"{name}.experts", scratch=scratch,
-                                                     scales_expanded=expand_ahead)))
+        shares = scales == "csf" and dev.type == "cuda" and (share_scratch or expand_ahead)
+        key = (tuple(w13.shape), tuple(w2.shape), str(dev))
+        new = CsfExperts(w13, w2, topk, format, scales, dev, b13, b2, kind.swiglu, clamp, max_tokens,
+                         name=f"{name}.experts", scratch=scratches.get(key) if shares else None,
+                         scales_expanded=expand_ahead)
+        if shares:
+            scratches.setdefault(key, new.layer.scratch)
+        replacements.append((name, block, new))
     if expand_ahead:
         _ExpandAhead([new for _, _, new in replacements])
     swaps = []
@@ -485,12 +496,18 @@ def dequantized_expert_weights(model: nn.Module, dtype: Optional[torch.dtype] = 
 
 def expert_memory(model: nn.Module) -> Dict[str, int]:
     """Resident bytes of the patched experts summed over blocks: "weights"
-    (FP4), "scales" (CSF or native), "globals", "biases", "total", and
-    "bf16_equivalent" (the same experts as BF16 weights)."""
-    total = {"weights": 0, "scales": 0, "globals": 0, "biases": 0, "bf16_equivalent": 0}
+    (FP4), "scales" (CSF parts and index, or native), "globals", "biases",
+    "scratch" (CSF scale scratch on the GPU, each shared one counted once),
+    "total", and "bf16_equivalent" (the same experts as BF16 weights)."""
+    total = {"weights": 0, "scales": 0, "globals": 0, "biases": 0, "scratch": 0, "bf16_equivalent": 0}
+    seen = set()
     for _, m in _patched_experts(model, "expert_memory"):
         for k, v in m.memory().items():
             total[k] += v
+        for t in m.scratch_tensors():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total["scratch"] += t.numel() * t.element_size()
         total["bf16_equivalent"] += 2 * 3 * m.num_experts * m.hidden_dim * m.intermediate_dim
-    total["total"] = total["weights"] + total["scales"] + total["globals"] + total["biases"]
+    total["total"] = sum(total[k] for k in ("weights", "scales", "globals", "biases", "scratch"))
     return total
