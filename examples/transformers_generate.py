@@ -23,7 +23,6 @@ import time
 
 import torch
 
-import csfmoe
 from csfmoe.integrations import transformers as integ
 
 # (hidden, moe intermediate, experts, top-k, attention heads, kv heads)

@@ -293,3 +293,22 @@ def test_fp4_exact_experts_reproduce_the_original_model(seed, family):
         out = model.generate(prompt[:1], max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
     assert rel(got, want) < 1e-5
     assert torch.equal(out, ref)
+
+
+def test_failure_while_building_a_later_block_restores_the_earlier_ones(seed, monkeypatch):
+    model = tiny_model("mixtral", seed)
+    originals = [layer.mlp.experts for layer in model.model.layers]
+    calls = []
+
+    def quantize_failing_on_layer_1(weights, format):
+        calls.append(tuple(weights.shape))
+        if len(calls) == 3:  # layer 0 took two calls (w13, w2): it is already in place
+            raise MemoryError("out of memory (injected)")
+        return csfmoe.quantize(weights, format)
+
+    monkeypatch.setattr(integ, "quantize", quantize_failing_on_layer_1)
+    with pytest.raises(MemoryError, match="injected"):
+        integ.patch_model(model)
+    assert len(calls) == 3
+    assert [layer.mlp.experts for layer in model.model.layers] == originals
+    assert not integ.is_patched(model)

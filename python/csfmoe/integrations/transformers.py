@@ -37,7 +37,7 @@ from torch import nn
 
 from .. import moe as _moe
 from .._errors import InvalidArgument, Unsupported
-from ..quant import dequantize, group_size, quantize
+from ..quant import dequantize, quantize
 
 __all__ = [
     "CsfExperts",
@@ -157,6 +157,20 @@ def _topk_of(name: str, kind: _BlockKind, block: nn.Module) -> int:
     return k
 
 
+def _check_kernels(name: str, format: str, scales: str, w13: torch.Tensor, topk: int, max_tokens: int,
+                   device: torch.device, swiglu: str) -> None:
+    e, two_n, h = (int(s) for s in w13.shape)
+    n = two_n // 2
+    where = f"{name} (E={e}, H={h}, N={n}, top-k={topk}, {format})"
+    try:
+        _moe.plan_moe(format, e, h, n, topk, "w13", "csf" if scales == "csf" else "none", max_tokens)
+    except InvalidArgument as err:
+        raise InvalidArgument(f"patch_model: {where}: the csfmoe kernels cannot run these experts: {err}") from None
+    if device.type == "cuda" and swiglu != "silu":
+        raise Unsupported(f"patch_model: {where}: the csfmoe CUDA kernels compute SiLU(gate) * up without biases; "
+                          f"the clamped SwiGLU with expert biases of gpt-oss runs only on the CPU reference")
+
+
 class CsfExperts(nn.Module):
     """The routed experts of one MoE block as csfmoe FP4 weights.
 
@@ -183,14 +197,7 @@ class CsfExperts(nn.Module):
         n = two_n // 2
         device = torch.device(device) if device is not None else w13.device
         compression = "csf" if scales == "csf" else "none"
-        where = f"{name} (E={e}, H={h}, N={n}, top-k={topk}, {format})"
-        try:
-            _moe.plan_moe(format, e, h, n, topk, "w13", compression, max_tokens)
-        except InvalidArgument as err:
-            raise InvalidArgument(f"patch_model: {where}: the csfmoe kernels cannot run these experts: {err}") from None
-        if device.type == "cuda" and swiglu != "silu":
-            raise Unsupported(f"patch_model: {where}: the csfmoe CUDA kernels compute SiLU(gate) * up without biases; "
-                              f"the clamped SwiGLU with expert biases of gpt-oss runs only on the CPU reference")
+        _check_kernels(name, format, scales, w13, topk, max_tokens, device, swiglu)
         self.format, self.scales, self.swiglu, self.clamp = format, scales, swiglu, clamp
         self.num_experts, self.hidden_dim, self.intermediate_dim, self.top_k = e, h, n, topk
         self.name, self.max_tokens = name, max_tokens
@@ -421,27 +428,38 @@ def patch_model(model: nn.Module, format: str = "nvfp4", scales: str = "csf",
         if len(shapes) != 1 or next(iter(shapes))[3].type != "cuda":
             raise InvalidArgument(f"patch_model: expand_ahead needs all MoE blocks on one CUDA device with one "
                                   f"geometry (they share a scale scratch); found {sorted(map(str, shapes))}")
-    replacements, scratches = [], {}
     for name, block, kind, (w13, w2, b13, b2, clamp), topk, dev in found:
-        shares = scales == "csf" and dev.type == "cuda" and (share_scratch or expand_ahead)
-        key = (tuple(w13.shape), tuple(w2.shape), str(dev))
-        new = CsfExperts(w13, w2, topk, format, scales, dev, b13, b2, kind.swiglu, clamp, max_tokens,
-                         name=f"{name}.experts", scratch=scratches.get(key) if shares else None,
-                         scales_expanded=expand_ahead)
-        if shares:
-            scratches.setdefault(key, new.layer.scratch)
-        replacements.append((name, block, new))
-    if expand_ahead:
-        _ExpandAhead([new for _, _, new in replacements])
-    swaps = []
-    for name, block, new in replacements:
-        original = block.experts
-        original_device = next(original.parameters()).device
-        block.experts = new
-        if offload_original and original_device.type != "cpu":
-            original.to("cpu")
-        swaps.append(_Swap(block, name, original, original_device))
-    dev = replacements[0][2].device
+        _check_kernels(f"{name}.experts", format, scales, w13, topk, max_tokens, dev, kind.swiglu)
+    # One block at a time (its original offloaded before the next is
+    # quantized: the peak stays one layer above the model), undone on failure.
+    swaps, scratches, chain = [], {}, []
+    try:
+        for i in range(len(found)):
+            name, block, kind, (w13, w2, b13, b2, clamp), topk, dev = found[i]
+            found[i] = None  # drop the views of the original weights with it
+            shares = scales == "csf" and dev.type == "cuda" and (share_scratch or expand_ahead)
+            key = (tuple(w13.shape), tuple(w2.shape), str(dev))
+            new = CsfExperts(w13, w2, topk, format, scales, dev, b13, b2, kind.swiglu, clamp, max_tokens,
+                             name=f"{name}.experts", scratch=scratches.get(key) if shares else None,
+                             scales_expanded=expand_ahead)
+            if shares:
+                scratches.setdefault(key, new.layer.scratch)
+            chain.append(new)
+            original = block.experts
+            original_device = next(original.parameters()).device
+            block.experts = new
+            swaps.append(_Swap(block, name, original, original_device))
+            if offload_original and original_device.type != "cpu":
+                original.to("cpu")
+            del w13, w2, b13, b2
+        if expand_ahead:
+            _ExpandAhead(chain)
+    except BaseException:
+        for swap in reversed(swaps):
+            swap.original.to(swap.original_device)
+            swap.block.experts = swap.original
+        raise
+    dev = chain[0].device
     setattr(model, _PATCH_ATTR, _PatchRecord(swaps, format, scales, dev))
     return model
 
