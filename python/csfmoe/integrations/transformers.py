@@ -207,6 +207,9 @@ class CsfExperts(nn.Module):
                                           q13["global"].to(device), q2["global"].to(device), format, "w13", topk,
                                           compression, max_tokens=max_tokens, scales_expanded=scales_expanded,
                                           scratch=scratch)
+        # A CUDA layer with CSF scales drops its native scales; a host copy
+        # (1/16 or 1/32 of the FP4 bytes) keeps dequantized() available.
+        self._host_scales = (q13["scales"], q2["scales"]) if self.layer.w13_scale is None else None
         self._chain: Optional[_ExpandAhead] = None
         self._chain_index = 0
         # Biases stay in the model's precision: csfmoe quantizes weights only.
@@ -224,6 +227,8 @@ class CsfExperts(nn.Module):
         return self.layer.device
 
     def _native_scales(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self._host_scales is not None:
+            return self._host_scales
         out = []
         for s in (self.layer.w13_scale, self.layer.w2_scale):
             out.append(s.decompress("row_major") if hasattr(s, "decompress") else s)
@@ -234,9 +239,6 @@ class CsfExperts(nn.Module):
         [E, H, N] on the layer's device. Cached on a CPU layer."""
         if self._dequantized is not None:
             return self._dequantized
-        if self.layer.w13_scale is None:
-            raise Unsupported(f"{self.name}: a CUDA layer with CSF scales keeps no native copy of its scales; "
-                              f"patch with scales='native' to read its dequantized weights")
         s13, s2 = self._native_scales()
         L = self.layer
         w = (dequantize(L.w13, s13.to(L.w13.device), L.w13_global, self.format),
