@@ -119,3 +119,18 @@ def test_csf_layers_share_one_scale_scratch(seed, share):
     integ.patch_model(model, scales="native")
     with torch.no_grad():
         assert rel(got, model(prompt).logits) < 1e-2
+
+
+def test_patched_model_under_torch_compile_and_static_cache(seed):
+    model, _ = patched_and_reference("qwen3_moe", seed)
+    prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(seed)).cuda()
+    compiled = torch.compile(model)
+    kw = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, output_scores=True,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        eager = model(prompt, use_cache=False).logits
+        assert rel(compiled(prompt, use_cache=False).logits, eager) < 1e-2
+        dynamic = model.generate(prompt, **kw)
+        static = model.generate(prompt, cache_implementation="static", **kw)
+    ok, why = greedy_agrees(static, dynamic, PROMPT)
+    assert ok, why
