@@ -312,3 +312,56 @@ def test_failure_while_building_a_later_block_restores_the_earlier_ones(seed, mo
     assert len(calls) == 3
     assert [layer.mlp.experts for layer in model.model.layers] == originals
     assert not integ.is_patched(model)
+
+
+def checkpoint_layers(model, fmt, csf_scales):
+    """FP4 tensors of each MoE block as csfmoe.checkpoint.gather_moe_layer
+    returns them, quantized here from the model's own expert weights."""
+    layers = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ in integ.SUPPORTED_BLOCKS:
+            q13 = csfmoe.quantize(module.experts.gate_up_proj, fmt)
+            q2 = csfmoe.quantize(module.experts.down_proj, fmt)
+            sdt = torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8
+            s13, s2 = q13["scales"].view(sdt), q2["scales"].view(sdt)
+            if csf_scales:
+                s13, s2 = csfmoe.CsfScales.compress(s13, fmt), csfmoe.CsfScales.compress(s2, fmt)
+            layers[name] = {"format": fmt, "w13": q13["packed"], "w2": q2["packed"], "w13_scale": s13,
+                            "w2_scale": s2, "w13_global": q13["global"], "w2_global": q2["global"]}
+    return layers
+
+
+@pytest.mark.parametrize("fmt,csf_scales", [("nvfp4", True), ("mxfp4", False)])
+def test_fp4_tensors_given_instead_of_quantizing(seed, fmt, csf_scales):
+    quantizing = integ.patch_model(tiny_model("deepseek_v3", seed), format=fmt)
+    model = tiny_model("deepseek_v3", seed)
+    layers = checkpoint_layers(model, fmt, csf_scales)
+    # The block's BF16 experts are not needed: the model may hold them on the meta device.
+    for name in layers:
+        model.get_submodule(name).experts.to("meta")
+    integ.patch_model(model, format=fmt, quantized=layers, device="cpu")
+    prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        assert torch.equal(model(prompt).logits, quantizing(prompt).logits)
+    integ.unpatch_model(model)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.device.type == "meta"
+
+
+def test_fp4_tensors_are_checked(seed):
+    model = tiny_model("qwen3_moe", seed)
+    layers = checkpoint_layers(model, "nvfp4", False)
+    with pytest.raises(csfmoe.InvalidArgument, match=r"\['model\.layers\.7\.mlp'\], which are not MoE blocks"):
+        integ.patch_model(model, quantized={"model.layers.7.mlp": layers["model.layers.0.mlp"]})
+    with pytest.raises(csfmoe.InvalidArgument, match="is nvfp4, the patch asks for mxfp4"):
+        integ.patch_model(model, format="mxfp4", quantized=layers)
+    bad = dict(layers["model.layers.1.mlp"], w2=layers["model.layers.1.mlp"]["w2"][:, :, :-1].contiguous())
+    with pytest.raises(csfmoe.InvalidArgument, match=r"\['w2'\]: expected shape \[8, 128, 32\]"):
+        integ.patch_model(model, quantized={**layers, "model.layers.1.mlp": bad})
+    assert not integ.is_patched(model)
+    assert not any(isinstance(m, integ.CsfExperts) for m in model.modules())
+    model.model.layers[0].mlp.experts.to("meta")
+    with pytest.raises(csfmoe.InvalidArgument, match="meta device"):
+        integ.patch_model(model)
+    oss = tiny_model("gpt_oss", seed)
+    with pytest.raises(csfmoe.Unsupported, match="SiLU blocks only"):
+        integ.patch_model(oss, quantized={"model.layers.0.mlp": {}})

@@ -95,9 +95,10 @@ def _is_silu(act) -> bool:
     return isinstance(got, torch.Tensor) and torch.allclose(got, probe * torch.sigmoid(probe), rtol=1e-12, atol=0)
 
 
-def _expert_params(name: str, kind: _BlockKind, experts: nn.Module):
+def _expert_params(name: str, kind: _BlockKind, experts: nn.Module, need_values: bool = True):
     """The block's experts as csfmoe's layout: W13 [E, 2N, H] (gate rows, then
-    up rows), W2 [E, H, N], and biases [E, 2N] / [E, H] (gpt-oss) or None."""
+    up rows), W2 [E, H, N], and biases [E, 2N] / [E, H] (gpt-oss) or None.
+    need_values=False (FP4 tensors given) accepts meta-device parameters."""
     where = f"{name}.experts ({type(experts).__name__})"
     if isinstance(experts, CsfExperts):
         raise InvalidArgument(f"patch_model: {name} is already patched by csfmoe (call unpatch_model first)")
@@ -109,7 +110,7 @@ def _expert_params(name: str, kind: _BlockKind, experts: nn.Module):
         if not isinstance(p, torch.Tensor) or p.dim() != 3 or not p.is_floating_point():
             raise Unsupported(f"patch_model: {where} has no 3-D floating-point {what} parameter "
                               f"(got {type(p).__name__}{list(p.shape) if isinstance(p, torch.Tensor) else ''})")
-        if p.device.type == "meta":
+        if p.device.type == "meta" and need_values:
             raise InvalidArgument(f"patch_model: {where}.{what} is on the meta device: load the weights first")
     e = int(gate_up.shape[0])
     if kind.swiglu == "gpt_oss":
@@ -157,9 +158,49 @@ def _topk_of(name: str, kind: _BlockKind, block: nn.Module) -> int:
     return k
 
 
-def _check_kernels(name: str, format: str, scales: str, w13: torch.Tensor, topk: int, max_tokens: int,
+def _fp4_tensors(name: str, layer: dict, format: str, e: int, h: int, n: int):
+    """Checked CPU copies of one block's FP4 tensors (gather_moe_layer's dict:
+    w13, w2, w13_scale, w2_scale as native tensors or CsfScales, w13_global,
+    w2_global) in the quantizer's output form."""
+    if not isinstance(layer, dict):
+        raise InvalidArgument(f"patch_model: quantized[{name!r}]: expected a dict of FP4 tensors, got "
+                              f"{type(layer).__name__}")
+    if layer.get("format", format) != format:
+        raise InvalidArgument(f"patch_model: quantized[{name!r}] is {layer['format']}, the patch asks for {format}")
+    if layer.get("order", "w13") != "w13":
+        raise Unsupported(f"patch_model: quantized[{name!r}]: gate/up order {layer['order']!r}; the integration "
+                          f"takes w13 (gate rows, then up rows)")
+    g = 16 if format == "nvfp4" else 32
+    want = {"w13": (e, 2 * n, h // 2), "w2": (e, h, n // 2), "w13_scale": (e, 2 * n, h // g),
+            "w2_scale": (e, h, n // g), "w13_global": (e,), "w2_global": (e,)}
+    out = {}
+    for key, shape in want.items():
+        t = layer.get(key)
+        if t is None and key.endswith("_global") and format == "mxfp4":
+            t = torch.ones(e)
+        if hasattr(t, "decompress"):  # CsfScales: decoded and validated on the host
+            t = t.decompress("row_major")
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgument(f"patch_model: quantized[{name!r}][{key!r}]: expected a tensor of shape "
+                                  f"{list(shape)}, got {type(t).__name__}")
+        if tuple(t.shape) != shape:
+            raise InvalidArgument(f"patch_model: quantized[{name!r}][{key!r}]: expected shape {list(shape)} for the "
+                                  f"block's experts (E={e}, H={h}, N={n}), got {list(t.shape)}")
+        if key.endswith("_global"):
+            t = t.to(torch.float32)
+        elif t.element_size() != 1:
+            raise InvalidArgument(f"patch_model: quantized[{name!r}][{key!r}]: expected 1-byte elements, got "
+                                  f"{t.dtype}")
+        else:
+            t = t.view(torch.uint8)
+        out[key] = t.detach().cpu().contiguous()
+    return ({"packed": out["w13"], "scales": out["w13_scale"], "global": out["w13_global"]},
+            {"packed": out["w2"], "scales": out["w2_scale"], "global": out["w2_global"]})
+
+
+def _check_kernels(name: str, format: str, scales: str, w13_shape, topk: int, max_tokens: int,
                    device: torch.device, swiglu: str) -> None:
-    e, two_n, h = (int(s) for s in w13.shape)
+    e, two_n, h = (int(s) for s in w13_shape)
     n = two_n // 2
     where = f"{name} (E={e}, H={h}, N={n}, top-k={topk}, {format})"
     try:
@@ -174,6 +215,9 @@ def _check_kernels(name: str, format: str, scales: str, w13: torch.Tensor, topk:
 class CsfExperts(nn.Module):
     """The routed experts of one MoE block as csfmoe FP4 weights.
 
+    w13 / w2 are the weights to quantize, or (with `quantized`, FP4 tensors
+    as csfmoe.checkpoint.gather_moe_layer gives them) only their shapes.
+
     Called like transformers' fused experts: forward(hidden [T, H],
     top_k_index [T, k], top_k_weights [T, k]) -> [T, H] in hidden's dtype,
     out[t] = sum_j w[t, j] * expert_{ids[t, j]}(hidden[t]).
@@ -187,7 +231,7 @@ class CsfExperts(nn.Module):
                  scales: str = "csf", device: Optional[torch.device] = None, b13: Optional[torch.Tensor] = None,
                  b2: Optional[torch.Tensor] = None, swiglu: str = "silu",
                  clamp: Optional[Tuple[float, float]] = None, max_tokens: int = 4096, name: str = "experts",
-                 scratch=None, scales_expanded: bool = False):
+                 scratch=None, scales_expanded: bool = False, quantized: Optional[dict] = None):
         super().__init__()
         if format not in FORMATS:
             raise InvalidArgument(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
@@ -197,11 +241,14 @@ class CsfExperts(nn.Module):
         n = two_n // 2
         device = torch.device(device) if device is not None else w13.device
         compression = "csf" if scales == "csf" else "none"
-        _check_kernels(name, format, scales, w13, topk, max_tokens, device, swiglu)
+        _check_kernels(name, format, scales, w13.shape, topk, max_tokens, device, swiglu)
         self.format, self.scales, self.swiglu, self.clamp = format, scales, swiglu, clamp
         self.num_experts, self.hidden_dim, self.intermediate_dim, self.top_k = e, h, n, topk
         self.name, self.max_tokens = name, max_tokens
-        q13, q2 = quantize(w13, format), quantize(w2, format)
+        if quantized is None:
+            q13, q2 = quantize(w13, format), quantize(w2, format)
+        else:
+            q13, q2 = _fp4_tensors(name, quantized, format, e, h, n)
         self.layer = _moe.PreparedExperts(q13["packed"].to(device), q2["packed"].to(device),
                                           q13["scales"].to(device), q2["scales"].to(device),
                                           q13["global"].to(device), q2["global"].to(device), format, "w13", topk,
@@ -388,7 +435,8 @@ def is_patched(model: nn.Module) -> bool:
 
 def patch_model(model: nn.Module, format: str = "nvfp4", scales: str = "csf",
                 device: Optional[torch.device] = None, max_tokens: int = 4096,
-                offload_original: bool = True, expand_ahead: bool = False, share_scratch: bool = True) -> nn.Module:
+                offload_original: bool = True, expand_ahead: bool = False, share_scratch: bool = True,
+                quantized: Optional[Dict[str, dict]] = None) -> nn.Module:
     """Run the routed experts of `model`'s supported sparse-MoE blocks on
     csfmoe (in place; returns `model`).
 
@@ -398,6 +446,17 @@ def patch_model(model: nn.Module, format: str = "nvfp4", scales: str = "csf",
     parameters. max_tokens: the largest token count of one kernel call (longer
     inputs run in chunks). offload_original: keep the original expert modules
     in host memory while patched (they come back with unpatch_model).
+    expand_ahead (CUDA, scales="csf", all blocks of one geometry): the layers
+    share one expanded-scale scratch, and each layer's scales expand on a side
+    stream while the previous layer finishes; without it each call picks its
+    own scale mode (stage_read or routed). share_scratch (CUDA, scales="csf"):
+    blocks of one geometry share one scale scratch (the size of one layer's
+    native scales), their calls on one stream ordering its reuse; False gives
+    each layer its own, for layers run concurrently on different streams.
+    quantized: {block name (e.g. "model.layers.3.mlp"): FP4 tensors as
+    csfmoe.checkpoint.gather_moe_layer returns them}: those blocks take the
+    given FP4 weights instead of quantizing theirs (SiLU blocks; the block's
+    own expert parameters may then be on the meta device).
 
     Raises Unsupported when the model has no supported block (naming the MoE
     classes it found), when a block's experts are not transformers' fused
@@ -420,10 +479,21 @@ def patch_model(model: nn.Module, format: str = "nvfp4", scales: str = "csf",
         found = f"; it has MoE blocks of unsupported classes {sorted(set(unsupported))}" if unsupported else ""
         raise Unsupported(f"patch_model: {type(model).__name__} has no sparse-MoE block csfmoe supports{found}. "
                           f"Supported blocks: {', '.join(SUPPORTED_BLOCKS)}")
+    quantized = dict(quantized or {})
+    unknown = sorted(set(quantized) - {name for name, _, _ in blocks})
+    if unknown:
+        raise InvalidArgument(f"patch_model: quantized names {unknown}, which are not MoE blocks of "
+                              f"{type(model).__name__}; its blocks: {[name for name, _, _ in blocks]}")
     found = []
     for name, block, kind in blocks:
-        w13, w2, b13, b2, clamp = _expert_params(name, kind, getattr(block, "experts", None))
+        if name in quantized and kind.swiglu != "silu":
+            raise Unsupported(f"patch_model: quantized[{name!r}]: FP4 tensors are taken for SiLU blocks only, "
+                              f"not {kind.family}'s")
+        w13, w2, b13, b2, clamp = _expert_params(name, kind, getattr(block, "experts", None),
+                                                 need_values=name not in quantized)
         dev = torch.device(device) if device is not None else w13.device
+        if dev.type == "meta":
+            raise InvalidArgument(f"patch_model: {name}.experts has its parameters on the meta device: pass device=")
         found.append((name, block, kind, (w13, w2, b13, b2, clamp), _topk_of(name, kind, block), dev))
     if expand_ahead:
         shapes = {(tuple(p[0].shape), tuple(p[1].shape), k, d) for _, _, _, p, k, d in found}
@@ -431,7 +501,7 @@ def patch_model(model: nn.Module, format: str = "nvfp4", scales: str = "csf",
             raise InvalidArgument(f"patch_model: expand_ahead needs all MoE blocks on one CUDA device with one "
                                   f"geometry (they share a scale scratch); found {sorted(map(str, shapes))}")
     for name, block, kind, (w13, w2, b13, b2, clamp), topk, dev in found:
-        _check_kernels(f"{name}.experts", format, scales, w13, topk, max_tokens, dev, kind.swiglu)
+        _check_kernels(f"{name}.experts", format, scales, w13.shape, topk, max_tokens, dev, kind.swiglu)
     # One block at a time (its original offloaded before the next is
     # quantized: the peak stays one layer above the model), undone on failure.
     swaps, scratches, chain = [], {}, []
@@ -443,7 +513,7 @@ def patch_model(model: nn.Module, format: str = "nvfp4", scales: str = "csf",
             key = (tuple(w13.shape), tuple(w2.shape), str(dev))
             new = CsfExperts(w13, w2, topk, format, scales, dev, b13, b2, kind.swiglu, clamp, max_tokens,
                              name=f"{name}.experts", scratch=scratches.get(key) if shares else None,
-                             scales_expanded=expand_ahead)
+                             scales_expanded=expand_ahead, quantized=quantized.get(name))
             if shares:
                 scratches.setdefault(key, new.layer.scratch)
             chain.append(new)
@@ -451,14 +521,15 @@ def patch_model(model: nn.Module, format: str = "nvfp4", scales: str = "csf",
             original_device = next(original.parameters()).device
             block.experts = new
             swaps.append(_Swap(block, name, original, original_device))
-            if offload_original and original_device.type != "cpu":
+            if offload_original and original_device.type not in ("cpu", "meta"):
                 original.to("cpu")
             del w13, w2, b13, b2
         if expand_ahead:
             _ExpandAhead(chain)
     except BaseException:
         for swap in reversed(swaps):
-            swap.original.to(swap.original_device)
+            if swap.original_device.type != "meta":
+                swap.original.to(swap.original_device)
             swap.block.experts = swap.original
         raise
     dev = chain[0].device
@@ -478,7 +549,8 @@ def unpatch_model(model: nn.Module) -> nn.Module:
                                   f"({type(swap.block.experts).__name__}); not restoring over it")
     for swap in record.swaps:
         swap.block.experts._chain = None
-        swap.original.to(swap.original_device)
+        if swap.original_device.type != "meta":
+            swap.original.to(swap.original_device)
         swap.block.experts = swap.original
     delattr(model, _PATCH_ATTR)
     return model
