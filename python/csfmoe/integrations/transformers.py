@@ -1,8 +1,9 @@
 """Run Hugging Face transformers MoE models on csfmoe.
 
 `patch_model(model, format="nvfp4", scales="csf")` quantizes the routed
-experts of every supported sparse-MoE block to FP4 with csfmoe's quantizer,
-keeps their block scales CSF-compressed (scales="csf") or native, and swaps
+experts of every supported sparse-MoE block to FP4 with csfmoe's quantizer
+(or takes a checkpoint's FP4 tensors: quantized=), keeps their block scales
+CSF-compressed (scales="csf") or native, and swaps
 the block's `experts` module for a `CsfExperts` module. The rest of the block
 stays the model's own: its router (top-k ids and weights, DeepSeek-V3's
 grouped top-k and score correction, gpt-oss's softmax over the top-k logits),
