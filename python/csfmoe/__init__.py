@@ -21,6 +21,7 @@ _csfmoe._set_error_classes(list(_ERROR_CLASSES))
 from . import ops  # noqa: E402  (registers torch.ops.csfmoe.*)
 from .ops import geometry, native_shape  # noqa: E402
 from .scales import CsfScales  # noqa: E402
+from .quant import dequantize, quantize  # noqa: E402
 from . import checkpoint  # noqa: E402
 from .checkpoint import load_file, load_checkpoint  # noqa: E402
 

@@ -1,9 +1,17 @@
 // MoE bindings that need no GPU: planning (validation of a layer's geometry),
-// synthetic layers for tests, and the float64 CPU reference.
+// synthetic layers for tests, the quantizer of stacked expert weights and the
+// float64 CPU reference.
 #include <nanobind/stl/string.h>
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <thread>
 
 #include "common.hpp"
 #include "csfmoe/moe.hpp"
+#include "csfmoe/quantize.hpp"
 
 namespace csfmoe::py {
 namespace {
@@ -40,9 +48,89 @@ std::vector<T> vec_of(const Array& a, const char* what, std::uint64_t want) {
   return std::vector<T>(p, p + n);
 }
 
+// Quantizes `experts` stacked float32 matrices [rows, cols] (one global scale
+// per expert for NVFP4) on up to `threads` threads (0: all cores); the
+// outputs are concatenated in expert order.
+struct StackedQuantized {
+  std::vector<std::uint8_t> packed, scales;
+  std::vector<float> global;
+};
+
+StackedQuantized quantize_stacked(ScaleFormat f, std::span<const float> x, std::uint64_t experts,
+                                  std::uint64_t rows, std::uint64_t cols, unsigned threads) {
+  const std::uint64_t g = group_size(f);
+  const std::uint64_t per = rows * cols;
+  StackedQuantized out;
+  out.packed.resize(experts * per / 2);
+  out.scales.resize(experts * per / g);
+  out.global.resize(experts);
+  std::atomic<std::uint64_t> next{0};
+  std::exception_ptr failure;
+  std::mutex failure_lock;
+  auto work = [&] {
+    try {
+      for (std::uint64_t e; (e = next.fetch_add(1)) < experts;) {
+        const auto part = x.subspan(e * per, per);
+        const QuantizedMatrix q =
+            f == ScaleFormat::nvfp4 ? quantize_nvfp4(part, rows, cols) : quantize_mxfp4(part, rows, cols);
+        std::copy(q.packed.begin(), q.packed.end(), out.packed.begin() + e * per / 2);
+        std::copy(q.scales.begin(), q.scales.end(), out.scales.begin() + e * per / g);
+        out.global[e] = q.global_scale;
+      }
+    } catch (...) {
+      const std::lock_guard lock(failure_lock);
+      if (!failure) failure = std::current_exception();
+      next = experts;
+    }
+  };
+  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
+  const auto n = static_cast<unsigned>(std::min<std::uint64_t>(threads, experts));
+  std::vector<std::thread> pool;
+  for (unsigned i = 1; i < n; ++i) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  if (failure) std::rethrow_exception(failure);
+  return out;
+}
+
 }  // namespace
 
 void bind_moe(nb::module_& m) {
+  m.def(
+      "quantize_experts",
+      [](const std::string& format, Array x, std::int64_t experts, std::int64_t rows, std::int64_t cols,
+         std::int64_t threads) {
+        const auto f = format_arg(format);
+        if (experts < 1 || rows < 1 || cols < 1 || experts > 0xFFFFFFFFll || rows > 0xFFFFFFFFll ||
+            cols > 0xFFFFFFFFll)
+          throw InvalidArgument(
+              fmt::format("quantize_experts: experts {}, rows {}, cols {} must all be in [1, 2^32)", experts,
+                          rows, cols));
+        const std::uint64_t g = group_size(f);
+        if (static_cast<std::uint64_t>(cols) % g)
+          throw InvalidArgument(fmt::format(
+              "quantize_experts: cols = {} is not a multiple of the {} group size {}", cols, format, g));
+        if (threads < 0) throw InvalidArgument("quantize_experts: threads must be >= 0");
+        const auto n = check_array(x, "weights", Dev::cpu, 4);
+        const std::uint64_t want = static_cast<std::uint64_t>(experts) * rows * cols;
+        if (n != want)
+          throw InvalidArgument(fmt::format("weights: expected {} float32 elements ([{}, {}, {}]), got {}",
+                                            want, experts, rows, cols, n));
+        const std::span<const float> xs(static_cast<const float*>(x.data()), n);
+        StackedQuantized q;
+        {
+          nb::gil_scoped_release nogil;
+          q = quantize_stacked(f, xs, experts, rows, cols, static_cast<unsigned>(threads));
+        }
+        nb::dict d;
+        d["packed"] = to_torch<std::uint8_t>(std::move(q.packed));
+        d["scales"] = to_torch<std::uint8_t>(std::move(q.scales));
+        d["global"] = to_torch<float>(std::move(q.global));
+        return d;
+      },
+      nb::arg("format"), nb::arg("weights"), nb::arg("experts"), nb::arg("rows"), nb::arg("cols"),
+      nb::arg("threads") = 0);
+
   m.def(
       "moe_plan",
       [](const std::string& format, std::int64_t e, std::int64_t h, std::int64_t n, std::int64_t k,
