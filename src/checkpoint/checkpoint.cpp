@@ -135,8 +135,11 @@ struct FileResult {
 };
 
 // Compresses one validated safetensors file into `dest` (which must not exist).
+// `sliced`: planes of some tensors already cut for a tensor-parallel rank
+// (slice_checkpoint_tp), stored as they are instead of encoding those tensors.
 FileResult compress_file(const st::File& src, const fs::path& dest, const std::string& file, Job& job,
-                         CheckpointReport& rep, bool write) {
+                         CheckpointReport& rep, bool write,
+                         const std::map<std::string, std::vector<CsfPlanes>>* sliced = nullptr) {
   const std::string label = src.path().string();
   const CompressOptions& opt = job.opt;
   const Detection det = detect_scales(src.header(), source_layout(src.header(), opt.layout, label), label);
@@ -218,7 +221,12 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
               "{}: tensor '{}': a {} grid of {} x {} cannot be stored in the b12x schema (rows a multiple of "
               "16, NVFP4 columns even, row-major)",
               label, t->name, to_string(cand->shape.layout), cand->shape.rows, cand->shape.cols));
-        CsfTensor enc = encode(cand->shape, data, copts);
+        // Planes cut from a compressed input keep its bases: no encoding.
+        const std::vector<CsfPlanes>* presliced = nullptr;
+        if (sliced)
+          if (auto it = sliced->find(t->name); it != sliced->end() && planes_storable(cand->shape))
+            presliced = &it->second;
+        CsfTensor enc = presliced ? planes_to_csf(*presliced, t->name) : encode(cand->shape, data, copts);
         tr.stats = stats(enc);
         set_resident(tr, enc);
         // Exactness is the point: prove it before storing anything.
@@ -229,8 +237,12 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
               "{}: tensor '{}': CSF round trip does not reproduce the source (codec bug)", label, t->name));
         // Stored as planes (what b12x stores) where the grid allows, proven exact too.
         std::vector<CsfPlanes> planes;
-        if (planes_storable(cand->shape)) {
+        if (presliced) {
+          planes = *presliced;
+        } else if (planes_storable(cand->shape)) {
           planes = csf_to_planes(enc, t->name);
+        }
+        if (!planes.empty()) {
           const std::uint64_t per_expert = std::uint64_t{cand->shape.rows} * cand->shape.cols;
           for (std::size_t x = 0; x < planes.size(); ++x) {
             const std::vector<std::uint8_t> grid = decode_planes(planes[x], t->name);
@@ -673,8 +685,21 @@ std::string rewrite_index(const st::ShardIndex& idx,
   return out.dump(2) + "\n";
 }
 
+
+void write_file(const fs::path& dest, std::string_view bytes) {
+  st::AtomicFile f(dest);
+  f.write(bytes);
+  f.commit();
+}
+
+std::uint64_t original_data_bytes(const ContainerInfo& info) {
+  return info.original_file_size - std::min(info.original_file_size, 8 + info.original_header.size());
+}
+
+}  // namespace
+
 // The original index bytes, if `raw` is a rewritten index; CorruptData on a CRC mismatch.
-std::optional<std::string> original_index(const std::string& raw, const std::string& label) {
+std::optional<std::string> detail::original_index(const std::string& raw, const std::string& label) {
   ojson j;
   try {
     j = ojson::parse(raw);
@@ -695,34 +720,17 @@ std::optional<std::string> original_index(const std::string& raw, const std::str
   return o;
 }
 
-void write_file(const fs::path& dest, std::string_view bytes) {
-  st::AtomicFile f(dest);
-  f.write(bytes);
-  f.commit();
-}
-
-std::uint64_t original_data_bytes(const ContainerInfo& info) {
-  return info.original_file_size - std::min(info.original_file_size, 8 + info.original_header.size());
-}
-
-}  // namespace
-
 // ---------------------------------------------------------------------------
-CheckpointReport compress_checkpoint(const fs::path& in, const fs::path& out,
-                                     const CompressOptions& options) {
-  check_paths(in, out);
-  if (options.tp != 1 || options.tp_rank != 0) {
-    // Slice into a hidden folder beside the output, then compress the slice.
-    TempDir sliced(out.parent_path() / (out.filename().string() + ".tp-slice"));
-    const fs::path src = sliced.path() / (fs::is_directory(in) ? fs::path("checkpoint") : in.filename());
-    slice_checkpoint_tp(in, src, options.tp, options.tp_rank, options.layout);
-    CompressOptions whole = options;
-    whole.tp = 1;
-    whole.tp_rank = 0;
-    CheckpointReport rep = compress_checkpoint(src, out, whole);
-    rep.path = in;
-    return rep;
-  }
+namespace {
+
+// compress_checkpoint of a whole (unsliced) input; `sliced` as in compress_file, per file name.
+CheckpointReport compress_whole(const fs::path& in, const fs::path& out, const CompressOptions& options,
+                                const SlicedPlanes* sliced) {
+  const auto planes_of = [&](const std::string& file) -> const std::map<std::string, std::vector<CsfPlanes>>* {
+    if (!sliced) return nullptr;
+    auto it = sliced->find(file);
+    return it == sliced->end() ? nullptr : &it->second;
+  };
   CheckpointReport rep;
   rep.path = in;
   Job job{options};
@@ -730,7 +738,7 @@ CheckpointReport compress_checkpoint(const fs::path& in, const fs::path& out,
     st::File src = st::File::open(in);
     if (container_info(src)) throw InvalidArgument(fmt::format("{} is already a CSF container", in.string()));
     job.total = src.data_size();
-    compress_file(src, out, in.filename().string(), job, rep, true);
+    compress_file(src, out, in.filename().string(), job, rep, true, planes_of(""));
     return rep;
   }
   Folder f = open_folder(in);
@@ -744,7 +752,7 @@ CheckpointReport compress_checkpoint(const fs::path& in, const fs::path& out,
   std::map<std::string, std::map<std::string, std::vector<std::string>>> csf;
   std::uint64_t total_stored = 0;
   for (const auto& [n, file] : f.files) {
-    FileResult r = compress_file(file, tmp.path() / n, n, job, rep, true);
+    FileResult r = compress_file(file, tmp.path() / n, n, job, rep, true, planes_of(n));
     for (const auto& t : r.stored) total_stored += t.nbytes();
     csf[n] = std::move(r.csf_parts);
   }
@@ -754,6 +762,27 @@ CheckpointReport compress_checkpoint(const fs::path& in, const fs::path& out,
   for (const auto& n : f.others) copy_plain(in / n, tmp.path() / n);
   tmp.commit();
   return rep;
+}
+
+}  // namespace
+
+CheckpointReport compress_checkpoint(const fs::path& in, const fs::path& out, const CompressOptions& options) {
+  check_paths(in, out);
+  if (options.tp != 1 || options.tp_rank != 0) {
+    // Slice into a hidden folder beside the output, then compress the slice;
+    // a compressed input's planes are cut, not encoded again.
+    TempDir sliced(out.parent_path() / (out.filename().string() + ".tp-slice"));
+    const fs::path src = sliced.path() / (fs::is_directory(in) ? fs::path("checkpoint") : in.filename());
+    SlicedPlanes planes;
+    slice_checkpoint_tp(in, src, options.tp, options.tp_rank, options.layout, &planes);
+    CompressOptions whole = options;
+    whole.tp = 1;
+    whole.tp_rank = 0;
+    CheckpointReport rep = compress_whole(src, out, whole, &planes);
+    rep.path = in;
+    return rep;
+  }
+  return compress_whole(in, out, options, nullptr);
 }
 
 void decompress_checkpoint(const fs::path& in, const fs::path& out, const CompressOptions& options) {

@@ -1,15 +1,18 @@
-// Tensor-parallel slicing of native checkpoints, tensor by tensor, bytes only.
+// Tensor-parallel slicing of checkpoints, tensor by tensor, bytes only (and
+// CSF planes without re-encoding).
 #include "checkpoint/tp_slice.hpp"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <fstream>
 #include <map>
 #include <string>
 
 #include "checkpoint/container.hpp"
 #include "checkpoint/detect.hpp"
+#include "csfmoe/checkpoint_reader.hpp"
 #include "csfmoe/errors.hpp"
 #include "csfmoe/parallel.hpp"
 #include "csfmoe/safetensors.hpp"
@@ -25,14 +28,38 @@ struct Sliced {
   bool copy = true;
 };
 
+// Planes of a CSF tensor sliced to rows `rr` and columns `cr` of each
+// expert's grid, or nullopt where the cut is not on plane boundaries (or the
+// tensor is not row-major): the compressor then encodes the slice.
+std::optional<std::vector<CsfPlanes>> slice_csf_planes(const CheckpointFile& f, const std::string& name,
+                                                       std::span<const AxisRange> rr, AxisRange cr) {
+  const CsfEntryInfo* e = f.csf_entry(name);
+  if (!e || e->grid.layout != ScaleLayout::row_major) return std::nullopt;
+  const std::uint64_t col_granule = e->grid.format == ScaleFormat::nvfp4 ? 2 : 1;
+  for (const auto& r : rr)
+    if (r.first % plane_slab_rows || r.count % plane_slab_rows) return std::nullopt;
+  if (cr.first % col_granule || cr.count % col_granule) return std::nullopt;
+  try {
+    check_plane_shape(PlaneShape{e->grid.format, e->grid.rows, e->grid.cols}, name);
+  } catch (const InvalidArgument&) {
+    return std::nullopt;
+  }
+  const std::vector<CsfPlanes> whole = csf_to_planes(f.csf_parts(name), name);
+  std::vector<CsfPlanes> out;
+  for (const auto& p : whole) out.push_back(slice_planes(p, rr, cr, name));
+  return out;
+}
+
 class FileSlicer {
  public:
-  FileSlicer(const st::File& f, unsigned tp, unsigned rank, std::optional<ScaleLayout> layout)
+  FileSlicer(const CheckpointFile& f, unsigned tp, unsigned rank, std::optional<ScaleLayout> layout,
+             std::map<std::string, std::vector<CsfPlanes>>* planes)
       : f_(f),
         tp_(tp),
         rank_(rank),
         label_(f.path().string()),
-        det_(detect_scales(f.header(), source_layout(f.header(), layout, label_), label_)) {
+        det_(detect_scales(f.header(), source_layout(f.header(), layout, label_), label_)),
+        planes_(planes) {
     for (const auto& c : det_.scales) by_companion_[c.companion] = &c;
   }
 
@@ -43,7 +70,7 @@ class FileSlicer {
     const TpSplit split = tensor_parallel_split_of(t.name);
     if (split == TpSplit::none) return out;
     const std::string what = fmt::format("{}: tensor '{}' ({} split)", label_, t.name, to_string(split));
-    const auto data = f_.data(t);
+    const std::vector<std::uint8_t> data = shape_only ? std::vector<std::uint8_t>{} : f_.read(t.name);
     const std::size_t nd = t.shape.size();
     if (const ScaleCandidate* c = det_.find(t.name)) {
       // A block-scale grid: slice its true rows/cols, keep its layout.
@@ -64,8 +91,11 @@ class FileSlicer {
       out.shape[nd - 2] = swz ? round_up(r_out, 128) : r_out;
       out.shape[nd - 1] = swz ? round_up(cr.count, 4) : cr.count;
       out.copy = false;
-      if (!shape_only)
+      if (!shape_only) {
         out.bytes = slice_scale_grid(c->shape, std::uint32_t(R), std::uint32_t(cols), data, rr, cr);
+        if (planes_)
+          if (auto p = slice_csf_planes(f_, t.name, rr, cr)) (*planes_)[t.name] = std::move(*p);
+      }
       return out;
     }
     std::size_t axis = 0;
@@ -100,8 +130,8 @@ class FileSlicer {
   }
 
   void write(const fs::path& dest) const {
+    // The original's metadata (a container's logical header holds it).
     st::Metadata md = f_.header().metadata.value_or(st::Metadata{});
-    if (md.count(kContainerKey)) throw InvalidArgument(fmt::format("{} is already a CSF container", label_));
     if (md.count(kTpKey))
       throw InvalidArgument(fmt::format("{} is already a tensor-parallel slice (tp = {}, rank = {})", label_,
                                         md[kTpKey], md.count(kTpRankKey) ? md[kTpRankKey] : "?"));
@@ -127,7 +157,7 @@ class FileSlicer {
     for (const auto* t : order) {
       Sliced s = slice(*t, false);
       if (s.copy)
-        w.add_tensor(t->name, t->dtype, t->shape, f_.data(*t));
+        w.add_tensor(t->name, t->dtype, t->shape, f_.read(t->name));
       else
         w.add_tensor(t->name, t->dtype, std::move(s.shape), s.bytes);
     }
@@ -135,22 +165,23 @@ class FileSlicer {
   }
 
  private:
-  const st::File& f_;
+  const CheckpointFile& f_;
   unsigned tp_, rank_;
   std::string label_;
   Detection det_;
+  std::map<std::string, std::vector<CsfPlanes>>* planes_;  // optional: sliced planes of CSF tensors
   std::map<std::string, const ScaleCandidate*> by_companion_;
 };
 
 }  // namespace
 
 void slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsigned tp, unsigned rank,
-                         std::optional<ScaleLayout> layout) {
+                         std::optional<ScaleLayout> layout, SlicedPlanes* planes) {
   if (tp == 0) throw InvalidArgument("--tp must be at least 1");
   if (rank >= tp) throw InvalidArgument(fmt::format("--rank {} is not below --tp {}", rank, tp));
   if (!fs::is_directory(in)) {
-    const st::File f = st::File::open(in);
-    FileSlicer(f, tp, rank, layout).write(out);
+    const CheckpointFile f = CheckpointFile::open(in);
+    FileSlicer(f, tp, rank, layout, planes ? &(*planes)[""] : nullptr).write(out);
     return;
   }
   std::error_code ec;
@@ -166,8 +197,15 @@ void slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsigned tp, u
       throw Unsupported(
           fmt::format("{}: '{}' is a symlink; tensor-parallel slicing needs plain files", in.string(), n));
     if (n.ends_with(".safetensors")) {
-      const st::File f = st::File::open(st::resolve_inside(in, n, in.string()));
-      FileSlicer(f, tp, rank, layout).write(out / n);
+      const CheckpointFile f = CheckpointFile::open(st::resolve_inside(in, n, in.string()));
+      FileSlicer(f, tp, rank, layout, planes ? &(*planes)[n] : nullptr).write(out / n);
+    } else if (n == st::kIndexFileName) {
+      // The index names tensors, not shapes: it stays valid for the slice
+      // (a container folder's rewritten index gives back the original).
+      const std::string raw = st::read_shard_index(p).raw;
+      std::ofstream o(out / n, std::ios::binary);
+      o << original_index(raw, p.string()).value_or(raw);
+      if (!o.flush()) throw IoError(fmt::format("cannot write {}", (out / n).string()));
     } else {
       // The index names tensors, not shapes: it stays valid for the slice.
       fs::copy(p, out / n, fs::copy_options::recursive | fs::copy_options::copy_symlinks, ec);

@@ -3,8 +3,12 @@
 #pragma once
 
 #include <filesystem>
+#include <map>
 #include <optional>
+#include <string>
+#include <vector>
 
+#include "csfmoe/b12x_planes.hpp"
 #include "csfmoe/formats.hpp"
 
 namespace csfmoe::detail {
@@ -19,7 +23,17 @@ inline constexpr const char* kTpRankKey = "csfmoe.tp_rank";
 // in each file's layout (source_layout), every other tensor and file is copied unchanged. Throws
 // InvalidArgument for bad tp/rank or a split that does not divide, and
 // Unsupported for an expert projection tensor whose split axis is unknown.
+//
+// The input may also be compressed (a container or a file written by
+// b12x / vLLM, or a folder of them): its tensors are read (CRC-checked,
+// decoded) and the slice written native as above. With `planes`, each CSF
+// tensor whose slice falls on plane boundaries (rows on 16-row slabs, NVFP4
+// columns on even pairs) also gets its planes sliced without re-encoding
+// (slice_planes: bases keep their full-row values, records filtered and
+// re-addressed), keyed by file name ("" for a single file) and tensor, for
+// the compressor to store instead of encoding the slice again.
+using SlicedPlanes = std::map<std::string, std::map<std::string, std::vector<CsfPlanes>>>;
 void slice_checkpoint_tp(const std::filesystem::path& in, const std::filesystem::path& out, unsigned tp,
-                         unsigned rank, std::optional<ScaleLayout> layout);
+                         unsigned rank, std::optional<ScaleLayout> layout, SlicedPlanes* planes = nullptr);
 
 }  // namespace csfmoe::detail

@@ -267,6 +267,68 @@ TEST(ContainerB12x, StackedScalesAreRefused) {
   EXPECT_FALSE(fs::exists(d.path / "b.safetensors"));
 }
 
+// compress --tp of a compressed input: the slice's planes are cut from the
+// input's (bases keep their full-row values: no encoding), and the result
+// restores to the same sliced native file as slicing the native input.
+TEST(ContainerV2, TensorParallelSliceOfACompressedInputCutsItsPlanes) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const std::uint32_t E = 2, H = 512, N = 256;
+  const std::string L = "model.layers.0.mlp.experts";
+  TempDir d;
+  {
+    st::Writer w(d.path / "m.safetensors", 1 << 16);
+    auto bytes = [&](std::uint64_t n) {
+      std::vector<std::uint8_t> v(n);
+      for (auto& x : v) x = static_cast<std::uint8_t>(rng());
+      return v;
+    };
+    const GridShape g13{ScaleFormat::nvfp4, ScaleLayout::row_major, E, 2 * N, H / 16};
+    const GridShape g2{ScaleFormat::nvfp4, ScaleLayout::row_major, E, H, N / 16};
+    w.add_tensor(L + ".w13.weight", st::Dtype::U8, {E, 2 * N, H / 2},
+                 bytes(std::uint64_t{E} * 2 * N * H / 2));
+    w.add_tensor(L + ".w13.weight_scale", st::Dtype::F8_E4M3, {E, 2 * N, H / 16},
+                 synthetic_scales(g13, ScaleDistribution::realistic, rng()));
+    w.add_tensor(L + ".w2.weight", st::Dtype::U8, {E, H, N / 2}, bytes(std::uint64_t{E} * H * N / 2));
+    w.add_tensor(L + ".w2.weight_scale", st::Dtype::F8_E4M3, {E, H, N / 16},
+                 synthetic_scales(g2, ScaleDistribution::extremes, rng()));
+    w.commit(std::nullopt);
+  }
+  CompressOptions keep;
+  keep.keep_unprofitable = false;
+  compress_checkpoint(d.path / "m.safetensors", d.path / "c.safetensors", keep);
+  const CheckpointFile whole = CheckpointFile::open(d.path / "c.safetensors");
+  for (unsigned rank = 0; rank < 2; ++rank) {
+    SCOPED_TRACE(rank);
+    CompressOptions o = keep;
+    o.tp = 2;
+    o.tp_rank = rank;
+    const fs::path from_native = d.path / fmt::format("n{}.safetensors", rank);
+    const fs::path from_csf = d.path / fmt::format("s{}.safetensors", rank);
+    compress_checkpoint(d.path / "m.safetensors", from_native, o);
+    compress_checkpoint(d.path / "c.safetensors", from_csf, o);
+    decompress_checkpoint(from_native, d.path / fmt::format("n{}.back", rank));
+    decompress_checkpoint(from_csf, d.path / fmt::format("s{}.back", rank));
+    EXPECT_TRUE(read_bytes(d.path / fmt::format("n{}.back", rank)) ==
+                read_bytes(d.path / fmt::format("s{}.back", rank)));
+    // Down: columns cut, every row kept: each row's base is the unsliced row's.
+    const CheckpointFile part = CheckpointFile::open(from_csf);
+    const std::string w2 = L + ".w2.weight_scale";
+    const auto src = csf_to_planes(whole.csf_parts(w2), w2), cut = csf_to_planes(part.csf_parts(w2), w2);
+    ASSERT_EQ(src.size(), cut.size());
+    for (std::size_t e = 0; e < src.size(); ++e) {
+      ASSERT_EQ(cut[e].shape.rows, src[e].shape.rows);
+      EXPECT_EQ(cut[e].shape.cols, src[e].shape.cols / 2);
+      const std::uint64_t ss = plane_slab_bytes(ScaleFormat::nvfp4, src[e].shape.cols);
+      const std::uint64_t cs = plane_slab_bytes(ScaleFormat::nvfp4, cut[e].shape.cols);
+      for (std::uint32_t slab = 0; slab < src[e].shape.rows / 16; ++slab)
+        EXPECT_TRUE(std::equal(cut[e].fixed.begin() + cs * slab, cut[e].fixed.begin() + cs * slab + 16,
+                               src[e].fixed.begin() + ss * slab))
+            << "expert " << e << " slab " << slab;
+    }
+  }
+}
+
 // --- files written by b12x / vLLM: plain safetensors with plane pairs -------
 
 struct ForeignFile {
