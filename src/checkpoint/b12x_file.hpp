@@ -8,6 +8,8 @@
 // reader can verify.
 #pragma once
 
+#include <filesystem>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -18,8 +20,8 @@
 namespace csfmoe::detail {
 
 struct ForeignB12x {
-  st::Header logical;          // the file's tensors, each plane pair replaced by its scale tensor
-  std::vector<CsfEntry> csf;   // one entry per scale tensor (storage b12x, crc32 unknown), in file order
+  st::Header logical;         // the file's tensors, each plane pair replaced by its scale tensor
+  std::vector<CsfEntry> csf;  // one entry per scale tensor (storage b12x, crc32 unknown), in file order
   const CsfEntry* find(const std::string& name) const;
 };
 
@@ -29,5 +31,26 @@ struct ForeignB12x {
 // planes, or an MXFP4 scale whose column count no companion weight gives
 // (X.weight, X.weight_packed or the stem's .weight / _blocks).
 std::optional<ForeignB12x> foreign_b12x(const st::File& file, const std::string& label);
+
+// b12x's manifest-based export: a folder with manifest.json and
+// build-contract.json (same schema "lil-nvfp4-csf-checkpoint/1" or
+// "lil-mxfp4-csf-checkpoint/1", the schema's codec id, the same family if
+// named), the shards under tensors/ (manifest "shards": [{"file": ...}]), the
+// contract's "source_names" mapping every source tensor to its shard, and the
+// Hugging Face files under metadata/.
+struct ManifestExport {
+  std::string schema, codec;
+  ScaleFormat format = ScaleFormat::nvfp4;
+  std::vector<std::filesystem::path> shards;        // resolved, under tensors/, in manifest order
+  std::map<std::string, std::string> source_names;  // source tensor -> shard file name
+};
+inline constexpr const char* kManifestFile = "manifest.json";
+inline constexpr const char* kBuildContractFile = "build-contract.json";
+// nullopt when `folder` has neither file; FormatError naming the file and the
+// field for anything else that breaks the rules above (one file without the
+// other, an unknown schema, a codec or family that disagrees, a shard name
+// that is not a plain .safetensors name or is missing, source names whose
+// shards are not exactly the manifest's).
+std::optional<ManifestExport> read_manifest_export(const std::filesystem::path& folder);
 
 }  // namespace csfmoe::detail

@@ -131,7 +131,7 @@ ContainerInfo base_info(const st::File& f) {
 
 struct FileResult {
   std::map<std::string, std::vector<std::string>> csf_parts;  // tensors stored as CSF -> their part tensors
-  std::vector<st::TensorInfo> stored;  // container tensors
+  std::vector<st::TensorInfo> stored;                         // container tensors
 };
 
 // Compresses one validated safetensors file into `dest` (which must not exist).
@@ -247,9 +247,9 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
           for (std::size_t x = 0; x < planes.size(); ++x) {
             const std::vector<std::uint8_t> grid = decode_planes(planes[x], t->name);
             if (!std::equal(grid.begin(), grid.end(), data.begin() + std::ptrdiff_t(x * per_expert)))
-              throw CorruptData(fmt::format(
-                  "{}: tensor '{}': expert {}: planes do not reproduce the source (codec bug)", label, t->name,
-                  x));
+              throw CorruptData(
+                  fmt::format("{}: tensor '{}': expert {}: planes do not reproduce the source (codec bug)",
+                              label, t->name, x));
           }
         }
         const CsfStorage storage = b12x             ? CsfStorage::b12x
@@ -587,10 +587,16 @@ struct Folder {
   std::vector<std::pair<std::string, st::File>> files;  // sorted by name
   std::vector<std::string> others;                      // index excluded
   std::optional<st::ShardIndex> index;
+  std::optional<ManifestExport> manifest;  // b12x's manifest export: files are its tensors/ shards
 };
 
 Folder open_folder(const fs::path& in) {
   Folder f;
+  if ((f.manifest = read_manifest_export(in))) {
+    for (const auto& p : f.manifest->shards)
+      f.files.emplace_back("tensors/" + p.filename().string(), st::File::open(p));
+    return f;
+  }
   std::vector<std::string> names;
   for (const auto& de : fs::directory_iterator(in)) names.push_back(de.path().filename().string());
   std::sort(names.begin(), names.end());
@@ -646,7 +652,8 @@ std::string rename_index_entries(const st::ShardIndex& idx, const std::map<std::
     wm[it == renames.end() ? tensor : it->second] = s;
   }
   ojson out = ojson::object();
-  for (auto it = orig.begin(); it != orig.end(); ++it) out[it.key()] = it.key() == "weight_map" ? wm : it.value();
+  for (auto it = orig.begin(); it != orig.end(); ++it)
+    out[it.key()] = it.key() == "weight_map" ? wm : it.value();
   return out.dump(2) + "\n";
 }
 
@@ -684,7 +691,6 @@ std::string rewrite_index(const st::ShardIndex& idx,
   }
   return out.dump(2) + "\n";
 }
-
 
 void write_file(const fs::path& dest, std::string_view bytes) {
   st::AtomicFile f(dest);
@@ -726,7 +732,8 @@ namespace {
 // compress_checkpoint of a whole (unsliced) input; `sliced` as in compress_file, per file name.
 CheckpointReport compress_whole(const fs::path& in, const fs::path& out, const CompressOptions& options,
                                 const SlicedPlanes* sliced) {
-  const auto planes_of = [&](const std::string& file) -> const std::map<std::string, std::vector<CsfPlanes>>* {
+  const auto planes_of =
+      [&](const std::string& file) -> const std::map<std::string, std::vector<CsfPlanes>>* {
     if (!sliced) return nullptr;
     auto it = sliced->find(file);
     return it == sliced->end() ? nullptr : &it->second;
@@ -734,9 +741,17 @@ CheckpointReport compress_whole(const fs::path& in, const fs::path& out, const C
   CheckpointReport rep;
   rep.path = in;
   Job job{options};
+  const auto refuse_b12x = [](const st::File& file) {
+    if (foreign_b12x(file, file.path().string()))
+      throw InvalidArgument(
+          fmt::format("{} is written by b12x / vLLM (its scales are CSF planes already): "
+                      "decompress it first, or slice it with --tp",
+                      file.path().string()));
+  };
   if (!fs::is_directory(in)) {
     st::File src = st::File::open(in);
     if (container_info(src)) throw InvalidArgument(fmt::format("{} is already a CSF container", in.string()));
+    refuse_b12x(src);
     job.total = src.data_size();
     compress_file(src, out, in.filename().string(), job, rep, true, planes_of(""));
     return rep;
@@ -746,6 +761,7 @@ CheckpointReport compress_whole(const fs::path& in, const fs::path& out, const C
   for (const auto& [n, file] : f.files) {
     if (container_info(file))
       throw InvalidArgument(fmt::format("{} is already a CSF container", file.path().string()));
+    refuse_b12x(file);
     job.total += file.data_size();
   }
   TempDir tmp(out);
@@ -766,7 +782,8 @@ CheckpointReport compress_whole(const fs::path& in, const fs::path& out, const C
 
 }  // namespace
 
-CheckpointReport compress_checkpoint(const fs::path& in, const fs::path& out, const CompressOptions& options) {
+CheckpointReport compress_checkpoint(const fs::path& in, const fs::path& out,
+                                     const CompressOptions& options) {
   check_paths(in, out);
   if (options.tp != 1 || options.tp_rank != 0) {
     // Slice into a hidden folder beside the output, then compress the slice;
@@ -808,6 +825,44 @@ void decompress_checkpoint(const fs::path& in, const fs::path& out, const Compre
     return;
   }
   Folder f = open_folder(in);
+  if (f.manifest) {
+    // A plain Hugging Face folder: native shards and an index from the
+    // contract's source names, beside the export's metadata/ files.
+    TempDir tmp(out);
+    std::uint64_t total = 0;
+    for (const auto& [n, file] : f.files) {
+      const fs::path dest = tmp.path() / file.path().filename();
+      if (const auto b12x = foreign_b12x(file, file.path().string())) {
+        st::Writer w(dest,
+                     st::Writer::header_json_size(b12x->logical.tensors, b12x->logical.metadata) + 1024);
+        CheckpointReport ignored;
+        read_b12x_file(file, *b12x, &w, n, job, ignored);
+        w.commit(b12x->logical.metadata);
+        total += logical_bytes(b12x->logical);
+      } else {
+        copy_plain(file.path(), dest);
+        total += file.data_size();
+      }
+    }
+    ojson index = ojson::object();
+    index["metadata"] = {{"total_size", total}};
+    index["weight_map"] = f.manifest->source_names;
+    write_file(tmp.path() / st::kIndexFileName, index.dump(2) + "\n");
+    const fs::path meta = in / "metadata";
+    std::error_code ec;
+    if (fs::is_directory(meta, ec))
+      for (const auto& de : fs::directory_iterator(meta)) {
+        const std::string n = de.path().filename().string();
+        check_plain_entry(meta, n);
+        if (!de.is_regular_file()) continue;
+        if (fs::exists(tmp.path() / n))
+          throw FormatError(
+              fmt::format("{}: metadata/{} has the name of a shard or the index", in.string(), n));
+        copy_plain(de.path(), tmp.path() / n);
+      }
+    tmp.commit();
+    return;
+  }
   std::vector<std::optional<ContainerInfo>> infos;
   for (const auto& [n, file] : f.files) {
     infos.push_back(container_info(file));
@@ -826,7 +881,8 @@ void decompress_checkpoint(const fs::path& in, const fs::path& out, const Compre
         read_b12x_file(file, *b12x, &w, n, job, ignored);
         w.commit(b12x->logical.metadata);
         for (const auto& e : b12x->csf)
-          for (const auto& part : stored_part_names(e.name, e.storage, e.grid.format)) plane_to_scale[part] = e.name;
+          for (const auto& part : stored_part_names(e.name, e.storage, e.grid.format))
+            plane_to_scale[part] = e.name;
         continue;
       }
       copy_plain(file.path(), tmp.path() / n);

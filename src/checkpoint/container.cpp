@@ -179,8 +179,8 @@ std::optional<ContainerInfo> get_container_metadata(const std::optional<st::Meta
       else if (v == "b12x" && version >= 2)
         e.storage = CsfStorage::b12x;
       else if (v != "resident")
-        throw FormatError(fmt::format("{}.storage: '{}' is not a storage of container version {}", what, v,
-                                      version));
+        throw FormatError(
+            fmt::format("{}.storage: '{}' is not a storage of container version {}", what, v, version));
     }
     info.csf.push_back(std::move(e));
   }
@@ -270,7 +270,8 @@ std::uint64_t planes_stored_bytes(std::span<const CsfPlanes> experts) {
   return n;
 }
 
-std::vector<std::string> stored_part_names(const std::string& tensor, CsfStorage storage, ScaleFormat format) {
+std::vector<std::string> stored_part_names(const std::string& tensor, CsfStorage storage,
+                                           ScaleFormat format) {
   auto p = part_names(tensor);
   switch (storage) {
     case CsfStorage::planes:
@@ -430,8 +431,8 @@ CsfTensor load_planes(const CsfEntry& e, const std::string& what, Get&& get) {
   const auto p = part_names(e.name);
   const bool b12x = e.storage == CsfStorage::b12x;
   if (b12x && g.experts != 1)
-    throw FormatError(fmt::format("{}: b12x planes hold one expert projection, the grid says {}", what,
-                                  g.experts));
+    throw FormatError(
+        fmt::format("{}: b12x planes hold one expert projection, the grid says {}", what, g.experts));
   const auto planes = get(b12x ? b12x_fixed_name(e.name, g.format) : p.planes, st::Dtype::U8,
                           {std::uint64_t{g.experts} * slabs, slab});
   const auto records =
@@ -444,8 +445,8 @@ CsfTensor load_planes(const CsfEntry& e, const std::string& what, Get&& get) {
   std::uint64_t total = 0;
   for (std::uint32_t c : counts) total += c;
   if (total != e.exceptions)
-    throw FormatError(fmt::format("{}: the per-expert record counts add up to {}, the descriptor says {}", what,
-                                  total, e.exceptions));
+    throw FormatError(fmt::format("{}: the per-expert record counts add up to {}, the descriptor says {}",
+                                  what, total, e.exceptions));
   std::vector<CsfPlanes> experts(g.experts);
   std::uint64_t at = 0;
   for (std::uint32_t x = 0; x < g.experts; ++x) {

@@ -43,8 +43,15 @@ struct PartNames {
   std::string fixed, exceptions, row_prefix, partition_index, planes, expert_exceptions;
   std::string b12x_nvfp4_fixed, b12x_nvfp4_exceptions, b12x_mxfp4_fixed, b12x_mxfp4_exceptions;
   std::vector<const std::string*> all() const {
-    return {&fixed,  &exceptions,        &row_prefix,       &partition_index,       &planes,
-            &expert_exceptions, &b12x_nvfp4_fixed, &b12x_nvfp4_exceptions, &b12x_mxfp4_fixed,
+    return {&fixed,
+            &exceptions,
+            &row_prefix,
+            &partition_index,
+            &planes,
+            &expert_exceptions,
+            &b12x_nvfp4_fixed,
+            &b12x_nvfp4_exceptions,
+            &b12x_mxfp4_fixed,
             &b12x_mxfp4_exceptions};
   }
 };

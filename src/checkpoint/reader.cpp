@@ -160,6 +160,7 @@ std::vector<fs::path> checkpoint_files(const fs::path& checkpoint) {
   if (!fs::exists(checkpoint, ec))
     throw IoError(fmt::format("checkpoint {} does not exist", checkpoint.string()));
   if (!fs::is_directory(checkpoint, ec)) return {checkpoint};
+  if (auto x = read_manifest_export(checkpoint)) return x->shards;  // b12x's export: its tensors/ shards
   std::vector<fs::path> out;
   const fs::path index = checkpoint / st::kIndexFileName;
   if (fs::exists(fs::symlink_status(index, ec))) {

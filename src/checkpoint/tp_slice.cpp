@@ -10,6 +10,7 @@
 #include <map>
 #include <string>
 
+#include "checkpoint/b12x_file.hpp"
 #include "checkpoint/container.hpp"
 #include "checkpoint/detect.hpp"
 #include "csfmoe/checkpoint_reader.hpp"
@@ -184,6 +185,11 @@ void slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsigned tp, u
     FileSlicer(f, tp, rank, layout, planes ? &(*planes)[""] : nullptr).write(out);
     return;
   }
+  if (read_manifest_export(in))
+    throw Unsupported(
+        fmt::format("{}: tensor-parallel slices of b12x's manifest export are not supported; "
+                    "decompress it first",
+                    in.string()));
   std::error_code ec;
   if (!fs::create_directory(out, ec) || ec)
     throw IoError(

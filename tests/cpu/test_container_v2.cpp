@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -549,6 +550,82 @@ TEST(ForeignB12x, IncompletePairsAndMissingColumnsAreRefused) {
   // Complete, with its weight: verifies and restores the grid.
   write(d.path / "ok.safetensors", true, true, true, false);
   EXPECT_TRUE(CheckpointFile::open(d.path / "ok.safetensors").read("x.weight_scale") == grid);
+}
+
+// b12x's manifest export: manifest.json + build-contract.json, shards under
+// tensors/, Hugging Face files under metadata/.
+void write_export(const fs::path& root, const std::vector<std::string>& shards,
+                  const std::map<std::string, std::string>& source_names, const std::string& schema,
+                  const std::string& codec) {
+  nlohmann::json m = {
+      {"schema", schema}, {"codec", codec}, {"family", "test"}, {"shards", nlohmann::json::array()}};
+  for (const auto& s : shards) m["shards"].push_back({{"file", s}});
+  nlohmann::json c = {
+      {"schema", schema}, {"codec", codec}, {"family", "test"}, {"source_names", source_names}};
+  std::ofstream(root / "manifest.json") << m.dump();
+  std::ofstream(root / "build-contract.json") << c.dump();
+}
+
+TEST(ForeignB12x, ManifestExportReadsVerifiesAndDecompressesToAHuggingFaceFolder) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  TempDir d;
+  const fs::path root = d.path / "export";
+  fs::create_directories(root / "tensors");
+  fs::create_directories(root / "metadata");
+  std::ofstream(root / "metadata" / "config.json") << R"({"model_type": "test"})";
+  const ForeignFile ff =
+      write_foreign(root / "tensors" / "model-00001.safetensors", ScaleFormat::nvfp4, 2, rng);
+  std::map<std::string, std::string> names;
+  const auto shard = st::File::open(root / "tensors" / "model-00001.safetensors");
+  for (const auto& t : shard.tensors()) {
+    std::string n = t.name;
+    for (const char* suffix : {".nvfp4_csf_fixed", ".nvfp4_csf_exceptions"})
+      if (n.ends_with(suffix)) n = n.substr(0, n.size() - std::string(suffix).size());
+    names[n] = "model-00001.safetensors";
+  }
+  const std::string schema = "lil-nvfp4-csf-checkpoint/1",
+                    codec = "byte-window4-fixed-stream-u24-exceptions/1";
+  write_export(root, {"model-00001.safetensors"}, names, schema, codec);
+
+  const CheckpointReport ver = verify_checkpoint(root);
+  std::size_t csf = 0;
+  for (const auto& t : ver.tensors) csf += t.action == TensorAction::csf;
+  EXPECT_EQ(csf, 6u);
+  const MoeHostWeights w = load_moe_layer(root, "model.layers.0.mlp.experts", 2);
+  EXPECT_EQ(w.geometry.experts, 2u);
+  decompress_checkpoint(root, d.path / "hf");
+  EXPECT_TRUE(fs::exists(d.path / "hf" / "config.json"));
+  const auto index = nlohmann::json::parse(read_bytes(d.path / "hf" / "model.safetensors.index.json"));
+  for (const auto& [scale, grid] : ff.native)
+    EXPECT_EQ(index["weight_map"][scale], "model-00001.safetensors");
+  const MoeHostWeights back = load_moe_layer(d.path / "hf", "model.layers.0.mlp.experts", 2);
+  EXPECT_TRUE(back.w13_scales == w.w13_scales);
+  EXPECT_TRUE(back.w2_scales == w.w2_scales);
+
+  // Broken exports are refused naming the file and the entry; nothing is written.
+  const auto refused = [&](const std::string& needle) {
+    try {
+      verify_checkpoint(root);
+      ADD_FAILURE() << "accepted: " << needle;
+    } catch (const FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(decompress_checkpoint(root, d.path / "never"), FormatError);
+    EXPECT_FALSE(fs::exists(d.path / "never"));
+  };
+  write_export(root, {"model-00001.safetensors", "model-00002.safetensors"}, names, schema, codec);
+  refused("model-00002.safetensors");  // a shard the folder does not hold
+  write_export(root, {"model-00001.safetensors"}, names, schema, "row-base-offset1-u24-exceptions/1");
+  refused("codec");
+  auto stray = names;
+  stray["model.extra"] = "model-00009.safetensors";
+  write_export(root, {"model-00001.safetensors"}, stray, schema, codec);
+  refused("model-00009.safetensors");
+  write_export(root, {"../outside.safetensors"}, names, schema, codec);
+  refused("outside");
+  fs::remove(root / "build-contract.json");
+  refused("build-contract.json");
 }
 
 }  // namespace
