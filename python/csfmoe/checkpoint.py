@@ -43,12 +43,15 @@ def is_csf_container(path) -> bool:
     return bool(_C.is_csf_container(os.fspath(path)))
 
 
-def compress_checkpoint(src, dst, layout: str = "", threads: int = 0):
+def compress_checkpoint(src, dst, layout: str = "", threads: int = 0, schema: str = "csfmoe",
+                        tp: int = 1, rank: int = 0):
     """csf compress: writes a container (file or folder) at dst; returns
     (scale source bytes, scale stored bytes). layout "" takes each file's
     csfmoe.scale_layout tag (else row_major); a layout that contradicts the
-    tag is an error."""
-    return tuple(_C.compress_checkpoint(os.fspath(src), os.fspath(dst), layout, threads))
+    tag is an error. schema "b12x" writes b12x / vLLM's plane tensors for
+    every per-expert scale (docs/container-format.md); tp / rank store one
+    tensor-parallel slice (src may then be compressed already)."""
+    return tuple(_C.compress_checkpoint(os.fspath(src), os.fspath(dst), layout, threads, schema, tp, rank))
 
 
 def _place(raw: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -110,7 +113,8 @@ def _load_csf(f, name: str, e: dict, device, decode: bool, layout, threads: int,
     experts, rows, cols = (int(x) for x in e["grid"])
     parts = f.csf_parts(name, threads)
     csf = CsfScales(*parts, format=e["format"], layout=e["layout"], experts=experts, rows=rows, cols=cols,
-                    dtype=dtype, shape=shape, validated=True, crc32=int(e["crc32"]), origin=what)
+                    dtype=dtype, shape=shape, validated=True, crc32=None if e["crc32"] is None else int(e["crc32"]),
+                    origin=what)
     if decode:
         native = csf.decompress(layout, threads)
         return native if device.type == "cpu" else native.to(device)

@@ -105,7 +105,7 @@ struct OpenFile {
 
   // The CSF descriptor: name -> entry, or None for a plain safetensors file.
   nb::object csf_entries() const {
-    if (!file->is_container()) return nb::none();
+    if (!file->is_container() && !file->is_b12x()) return nb::none();
     nb::dict out;
     for (const auto& e : file->csf_entries()) {
       nb::dict d;
@@ -114,7 +114,7 @@ struct OpenFile {
       d["format"] = std::string(to_string(e.grid.format));
       d["layout"] = std::string(to_string(e.grid.layout));
       d["grid"] = nb::make_tuple(e.grid.experts, e.grid.rows, e.grid.cols);
-      d["crc32"] = e.crc32;
+      d["crc32"] = e.has_crc32 ? nb::cast(e.crc32) : nb::none();  // b12x files carry none
       d["exceptions"] = e.exceptions;
       d["layer"] = e.layer;
       d["storage"] = e.storage;
@@ -228,6 +228,7 @@ void bind_checkpoint(nb::module_& m) {
       .def(nb::init<const std::filesystem::path&>(), nb::arg("path"))
       .def_prop_ro("path", [](const OpenFile& f) { return f.file->path(); })
       .def_prop_ro("is_container", [](const OpenFile& f) { return f.file->is_container(); })
+      .def_prop_ro("is_b12x", [](const OpenFile& f) { return f.file->is_b12x(); })
       .def("tensors", &OpenFile::tensors)
       .def("bytes", &OpenFile::bytes, nb::arg("name"))
       .def("csf_parts", &OpenFile::csf_parts, nb::arg("name"), nb::arg("threads") = 0)
@@ -259,15 +260,21 @@ void bind_checkpoint(nb::module_& m) {
   m.def(
       "compress_checkpoint",
       [](const std::filesystem::path& in, const std::filesystem::path& out, const std::string& layout,
-         unsigned threads) {
+         unsigned threads, const std::string& schema, unsigned tp, unsigned rank) {
         CompressOptions o;
         if (!layout.empty()) o.layout = layout_arg(layout);  // else each file's own tag
         o.threads = threads;
+        if (schema != "csfmoe" && schema != "b12x")
+          throw InvalidArgument("compress_checkpoint: schema '" + schema + "' is not csfmoe or b12x");
+        o.schema = schema == "b12x" ? CheckpointSchema::b12x : CheckpointSchema::csfmoe;
+        o.tp = tp;
+        o.tp_rank = rank;
         nb::gil_scoped_release nogil;
         const CheckpointReport r = compress_checkpoint(in, out, o);
         return std::make_pair(r.scale_source_bytes, r.scale_stored_bytes);
       },
-      nb::arg("src"), nb::arg("dst"), nb::arg("layout") = "", nb::arg("threads") = 0);
+      nb::arg("src"), nb::arg("dst"), nb::arg("layout") = "", nb::arg("threads") = 0,
+      nb::arg("schema") = "csfmoe", nb::arg("tp") = 1, nb::arg("rank") = 0);
 }
 
 }  // namespace csfmoe::py
