@@ -255,11 +255,11 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
           if (mxfp4_slabs_stored_bytes(slab_form) < planes_stored_bytes(planes))
             storage = CsfStorage::mxfp4_slab;
         }
-        const std::uint64_t csf_bytes = storage == CsfStorage::resident ? enc.encoded_bytes()
-                                        : storage == CsfStorage::b12x
-                                            ? planes_stored_bytes(planes) - 4  // no record count
-                                        : storage == CsfStorage::mxfp4_slab ? mxfp4_slabs_stored_bytes(slab_form)
-                                                                            : planes_stored_bytes(planes);
+        const std::uint64_t csf_bytes =
+            storage == CsfStorage::resident     ? enc.encoded_bytes()
+            : storage == CsfStorage::b12x       ? planes_stored_bytes(planes) - 4  // no record count
+            : storage == CsfStorage::mxfp4_slab ? mxfp4_slabs_stored_bytes(slab_form)
+                                                : planes_stored_bytes(planes);
         tr.stats.encoded_bytes = csf_bytes;
         // The b12x schema stores every expert projection as planes: its loaders expect them.
         if (!b12x && opt.keep_unprofitable && csf_bytes >= data.size()) {
