@@ -1,4 +1,4 @@
-// Writes the seed corpora of the three fuzzers into <out>/<target>/:
+// Writes the seed corpora of the fuzzers into <out>/<target>/:
 // small native checkpoints and their CSF containers (NVFP4 row-major and
 // swizzled, MXFP4 with ModelOpt and gpt-oss names, a tensor kept native, a
 // passthrough tensor, metadata), and codec inputs in fuzz_csf_decode's
@@ -79,7 +79,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   const fs::path out = argv[1];
-  for (const char* t : {"fuzz_safetensors_header", "fuzz_container", "fuzz_csf_decode", "fuzz_b12x_planes"})
+  for (const char* t : {"fuzz_safetensors_header", "fuzz_container", "fuzz_csf_decode", "fuzz_b12x_planes",
+                        "fuzz_mxfp4_slabs"})
     fs::create_directories(out / t);
   const fs::path tmp = fs::temp_directory_path() / fmt::format("csfmoe-corpus-{}", ::getpid());
   fs::remove_all(tmp);
@@ -161,7 +162,30 @@ int main(int argc, char** argv) {
     for (int j = 0; j < 2000; ++j) seed.push_back(static_cast<std::uint8_t>(rng()));
     put(out / "fuzz_b12x_planes" / fmt::format("raw{}", k), seed);
   }
-  fmt::print("wrote {} checkpoint seeds, {} codec seeds and {} plane seeds under {}\n", i, n + 4, m + 4,
-             out.string());
+  // MXFP4 slab inputs: header (raw flag, rows, cols selectors) + recipe, at
+  // short rows (C = 6, 12, 18, 20) and longer ones; then raw slab parts.
+  int q = 0;
+  for (const int cols : {6, 12, 18, 20, 40})
+    for (const auto d : dists) {
+      // 16 (1 + q % 8) rows; the cols selector is cols - 1.
+      const std::uint8_t h[3] = {0, static_cast<std::uint8_t>(q % 8), static_cast<std::uint8_t>(cols - 1)};
+      const GridShape shape{ScaleFormat::mxfp4, ScaleLayout::row_major, 1, 16u * (1 + q % 8),
+                            static_cast<std::uint32_t>(cols)};
+      const auto src = synthetic_scales(shape, d, 900 + q);
+      CodecOptions o;
+      o.threads = 1;
+      const CsfTensor t = encode(shape, src, o);
+      std::vector<std::uint8_t> seed(h, h + 3);
+      const auto recipe = csfmoe_fuzz::write_recipe(t, src);
+      seed.insert(seed.end(), recipe.begin(), recipe.end());
+      put(out / "fuzz_mxfp4_slabs" / fmt::format("grid{}", q++), seed);
+    }
+  for (int k = 0; k < 4; ++k) {
+    std::vector<std::uint8_t> seed = {2, static_cast<std::uint8_t>(k), static_cast<std::uint8_t>(5 + 6 * k)};
+    for (int j = 0; j < 1500; ++j) seed.push_back(static_cast<std::uint8_t>(rng()));
+    put(out / "fuzz_mxfp4_slabs" / fmt::format("raw{}", k), seed);
+  }
+  fmt::print("wrote {} checkpoint seeds, {} codec seeds, {} plane seeds and {} slab seeds under {}\n", i,
+             n + 4, m + 4, q + 4, out.string());
   return 0;
 }

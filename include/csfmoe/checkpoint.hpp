@@ -56,6 +56,10 @@ struct CompressOptions {
   // docs/container-format.md, "Tensor-parallel slices").
   unsigned tp = 1, tp_rank = 0;
   CheckpointSchema schema = CheckpointSchema::csfmoe;
+  // csfmoe schema: store an MXFP4 tensor's planes in slab form (container
+  // version 3, docs/container-format.md) when that is smaller than the
+  // planes; false keeps b12x's planes (a version 2 file when nothing else needs 3).
+  bool mxfp4_slab = true;
 };
 
 // What happened to one tensor.

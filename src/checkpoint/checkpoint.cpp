@@ -252,13 +252,27 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
                               label, t->name, x));
           }
         }
-        const CsfStorage storage = b12x             ? CsfStorage::b12x
-                                   : planes.empty() ? CsfStorage::resident
-                                                    : CsfStorage::planes;
-        const std::uint64_t csf_bytes = storage == CsfStorage::resident ? enc.encoded_bytes()
-                                        : storage == CsfStorage::b12x
-                                            ? planes_stored_bytes(planes) - 4  // no record count
-                                            : planes_stored_bytes(planes);
+        CsfStorage storage = b12x             ? CsfStorage::b12x
+                             : planes.empty() ? CsfStorage::resident
+                                              : CsfStorage::planes;
+        // MXFP4 planes in slab form when that is smaller (never when larger), proven to give the planes back.
+        std::vector<Mxfp4SlabPlanes> slab_form;
+        if (storage == CsfStorage::planes && cand->shape.format == ScaleFormat::mxfp4 && opt.mxfp4_slab) {
+          for (const CsfPlanes& pl : planes) {
+            slab_form.push_back(planes_to_mxfp4_slabs(pl, t->name));
+            const CsfPlanes back_planes = mxfp4_slabs_to_planes(slab_form.back(), t->name);
+            if (back_planes.fixed != pl.fixed || back_planes.exceptions != pl.exceptions)
+              throw CorruptData(fmt::format(
+                  "{}: tensor '{}': MXFP4 slabs do not reproduce the planes (codec bug)", label, t->name));
+          }
+          if (mxfp4_slabs_stored_bytes(slab_form) < planes_stored_bytes(planes))
+            storage = CsfStorage::mxfp4_slab;
+        }
+        const std::uint64_t csf_bytes =
+            storage == CsfStorage::resident     ? enc.encoded_bytes()
+            : storage == CsfStorage::b12x       ? planes_stored_bytes(planes) - 4  // no record count
+            : storage == CsfStorage::mxfp4_slab ? mxfp4_slabs_stored_bytes(slab_form)
+                                                : planes_stored_bytes(planes);
         tr.stats.encoded_bytes = csf_bytes;
         // The b12x schema stores every expert projection as planes: its loaders expect them.
         if (!b12x && opt.keep_unprofitable && csf_bytes >= data.size()) {
@@ -275,6 +289,8 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
               write_csf_parts(*w, t->name, enc);
             else if (storage == CsfStorage::planes)
               write_csf_planes(*w, t->name, planes);
+            else if (storage == CsfStorage::mxfp4_slab)
+              write_csf_mxfp4_slabs(*w, t->name, slab_form);
             else
               write_b12x_planes(*w, t->name, planes.front());
           }

@@ -24,7 +24,9 @@ PartNames part_names(const std::string& t) {
           b12x_fixed_name(t, ScaleFormat::nvfp4),
           b12x_exceptions_name(t, ScaleFormat::nvfp4),
           b12x_fixed_name(t, ScaleFormat::mxfp4),
-          b12x_exceptions_name(t, ScaleFormat::mxfp4)};
+          b12x_exceptions_name(t, ScaleFormat::mxfp4),
+          t + ".csf.slabs",
+          t + ".csf.slab_escapes"};
 }
 
 std::string_view to_string(CsfStorage s) {
@@ -33,10 +35,18 @@ std::string_view to_string(CsfStorage s) {
       return "planes";
     case CsfStorage::b12x:
       return "b12x";
+    case CsfStorage::mxfp4_slab:
+      return "mxfp4_slab";
     case CsfStorage::resident:
       break;
   }
   return "resident";
+}
+
+int container_version_for(const std::vector<CsfEntry>& entries) {
+  for (const auto& e : entries)
+    if (e.storage == CsfStorage::mxfp4_slab) return 3;
+  return 2;
 }
 
 bool planes_storable(const GridShape& g) {
@@ -73,7 +83,7 @@ void put_container_metadata(const ContainerInfo& info, st::Metadata& md) {
   }
   ojson desc = ojson::object();
   desc["format"] = kFormatName;
-  desc["version"] = kContainerVersion;
+  desc["version"] = container_version_for(info.csf);
   desc["tensors"] = std::move(tensors);
   ojson kept = ojson::object();
   for (const auto& [k, v] : info.native_kept)
@@ -82,7 +92,7 @@ void put_container_metadata(const ContainerInfo& info, st::Metadata& md) {
   md[kContainerKey] = desc.dump();
 
   ojson orig = ojson::object();
-  orig["version"] = kContainerVersion;
+  orig["version"] = container_version_for(info.csf);
   orig["file_size"] = info.original_file_size;
   orig["file_crc32"] = info.original_file_crc32;
   orig["header"] = info.original_header;
@@ -178,6 +188,8 @@ std::optional<ContainerInfo> get_container_metadata(const std::optional<st::Meta
         e.storage = CsfStorage::planes;
       else if (v == "b12x" && version >= 2)
         e.storage = CsfStorage::b12x;
+      else if (v == "mxfp4_slab" && version >= 3)
+        e.storage = CsfStorage::mxfp4_slab;
       else if (v != "resident")
         throw FormatError(
             fmt::format("{}.storage: '{}' is not a storage of container version {}", what, v, version));
@@ -270,6 +282,29 @@ std::uint64_t planes_stored_bytes(std::span<const CsfPlanes> experts) {
   return n;
 }
 
+void write_csf_mxfp4_slabs(st::Writer& w, const std::string& name, std::span<const Mxfp4SlabPlanes> experts) {
+  const auto p = part_names(name);
+  const PlaneShape s = experts.empty() ? PlaneShape{ScaleFormat::mxfp4, 0, 0} : experts.front().shape;
+  w.begin_tensor(p.slabs, st::Dtype::U8,
+                 {experts.size() * (s.rows / plane_slab_rows), mxfp4_slab_bytes(s.cols)});
+  for (const auto& e : experts) w.write(e.slabs);
+  w.end_tensor();
+  std::uint64_t escapes = 0, records = 0;
+  std::vector<std::uint32_t> counts;
+  for (const auto& e : experts) {
+    escapes += e.escapes.size();
+    records += e.exceptions.size();
+    counts.push_back(static_cast<std::uint32_t>(e.exceptions.size()));
+  }
+  w.begin_tensor(p.slab_escapes, st::Dtype::U8, {escapes});
+  for (const auto& e : experts) w.write(e.escapes);
+  w.end_tensor();
+  w.begin_tensor(p.exceptions, st::Dtype::U32, {records});
+  for (const auto& e : experts) w.write(as_bytes(e.exceptions));
+  w.end_tensor();
+  w.add_tensor(p.expert_exceptions, st::Dtype::U32, {counts.size()}, as_bytes(counts));
+}
+
 std::vector<std::string> stored_part_names(const std::string& tensor, CsfStorage storage,
                                            ScaleFormat format) {
   auto p = part_names(tensor);
@@ -278,6 +313,8 @@ std::vector<std::string> stored_part_names(const std::string& tensor, CsfStorage
       return {p.planes, p.exceptions, p.expert_exceptions};
     case CsfStorage::b12x:
       return {b12x_fixed_name(tensor, format), b12x_exceptions_name(tensor, format)};
+    case CsfStorage::mxfp4_slab:
+      return {p.slabs, p.slab_escapes, p.exceptions, p.expert_exceptions};
     case CsfStorage::resident:
       break;
   }
@@ -332,6 +369,9 @@ std::uint64_t container_header_bound(const ContainerInfo& base, const std::vecto
       // Or stored as planes: never more bytes than the resident parts above.
       push(p.planes, st::Dtype::U8, g.fixed_bytes(), {g.fixed_bytes(), g.fixed_bytes()});
       push(p.expert_exceptions, st::Dtype::U32, 4 * std::uint64_t{g.shape.experts}, {g.shape.experts});
+      // Or stored as MXFP4 slabs: slabs and escapes never more bytes than the fixed part.
+      push(p.slabs, st::Dtype::U8, g.fixed_bytes(), {g.fixed_bytes(), g.fixed_bytes()});
+      push(p.slab_escapes, st::Dtype::U8, g.fixed_bytes(), {g.fixed_bytes()});
       CsfEntry e;
       e.name = t->name;
       e.dtype = t->dtype;
@@ -340,7 +380,7 @@ std::uint64_t container_header_bound(const ContainerInfo& base, const std::vecto
       e.crc32 = UINT32_MAX;
       e.exceptions = values;
       e.layer = b.layer;
-      e.storage = CsfStorage::resident;  // the longer of the two names
+      e.storage = CsfStorage::mxfp4_slab;  // the longest storage name
       ub.csf.push_back(std::move(e));
       // Its native entry (if kept) and the reason string in the descriptor.
       bound += 2 * ojson(t->name).dump().size() + 21 * (t->shape.size() + 2) + 512;
@@ -427,14 +467,21 @@ CsfTensor load_planes(const CsfEntry& e, const std::string& what, Get&& get) {
     throw FormatError(fmt::format("{}: a {} grid of {} x {} cannot be stored as planes", what,
                                   to_string(g.layout), g.rows, g.cols));
   const PlaneShape shape{g.format, g.rows, g.cols};
-  const std::uint64_t slab = plane_slab_bytes(g.format, g.cols), slabs = g.rows / plane_slab_rows;
+  const bool slab_form = e.storage == CsfStorage::mxfp4_slab;
+  if (slab_form && g.format != ScaleFormat::mxfp4)
+    throw FormatError(fmt::format("{}: the mxfp4_slab storage holds MXFP4 grids, the descriptor says {}",
+                                  what, to_string(g.format)));
+  const std::uint64_t slab = slab_form ? mxfp4_slab_bytes(g.cols) : plane_slab_bytes(g.format, g.cols);
+  const std::uint64_t slabs = g.rows / plane_slab_rows;
   const auto p = part_names(e.name);
   const bool b12x = e.storage == CsfStorage::b12x;
   if (b12x && g.experts != 1)
     throw FormatError(
         fmt::format("{}: b12x planes hold one expert projection, the grid says {}", what, g.experts));
-  const auto planes = get(b12x ? b12x_fixed_name(e.name, g.format) : p.planes, st::Dtype::U8,
-                          {std::uint64_t{g.experts} * slabs, slab});
+  const auto planes = get(b12x        ? b12x_fixed_name(e.name, g.format)
+                          : slab_form ? p.slabs
+                                      : p.planes,
+                          st::Dtype::U8, {std::uint64_t{g.experts} * slabs, slab});
   const auto records =
       get(b12x ? b12x_exceptions_name(e.name, g.format) : p.exceptions, st::Dtype::U32, {e.exceptions});
   std::vector<std::uint32_t> counts(g.experts, static_cast<std::uint32_t>(e.exceptions));
@@ -442,6 +489,7 @@ CsfTensor load_planes(const CsfEntry& e, const std::string& what, Get&& get) {
     const auto counts_raw = get(p.expert_exceptions, st::Dtype::U32, {g.experts});
     if (!counts.empty()) std::memcpy(counts.data(), counts_raw.data(), counts_raw.size());
   }
+  const auto records_raw = [&](std::uint64_t i) { return records.data() + 4 * i; };
   std::uint64_t total = 0;
   for (std::uint32_t c : counts) total += c;
   if (total != e.exceptions)
@@ -449,13 +497,35 @@ CsfTensor load_planes(const CsfEntry& e, const std::string& what, Get&& get) {
                                   what, total, e.exceptions));
   std::vector<CsfPlanes> experts(g.experts);
   std::uint64_t at = 0;
-  for (std::uint32_t x = 0; x < g.experts; ++x) {
+  if (slab_form) {
+    // Each expert's escaped rows take the next bases of the escape list.
+    std::vector<std::uint64_t> escapes(g.experts);
+    std::uint64_t escape_total = 0;
+    for (std::uint32_t x = 0; x < g.experts; ++x) {
+      escapes[x] = mxfp4_slab_escape_count(shape, planes.subspan(x * slabs * slab, slabs * slab),
+                                           fmt::format("{} expert {}", what, x));
+      escape_total += escapes[x];
+    }
+    const auto escape_bytes = get(p.slab_escapes, st::Dtype::U8, {escape_total});
+    std::vector<std::uint32_t> expert_records;
+    std::uint64_t escape_at = 0;
+    for (std::uint32_t x = 0; x < g.experts; ++x) {
+      expert_records.resize(counts[x]);
+      if (counts[x]) std::memcpy(expert_records.data(), records_raw(at), 4 * std::uint64_t{counts[x]});
+      at += counts[x];
+      experts[x] = mxfp4_slabs_to_planes(shape, planes.subspan(x * slabs * slab, slabs * slab),
+                                         escape_bytes.subspan(escape_at, escapes[x]), expert_records,
+                                         fmt::format("{} expert {}", what, x));
+      escape_at += escapes[x];
+    }
+  }
+  for (std::uint32_t x = 0; x < g.experts && !slab_form; ++x) {
     CsfPlanes& pl = experts[x];
     pl.shape = shape;
     const auto fixed = planes.subspan(x * slabs * slab, slabs * slab);
     pl.fixed.assign(fixed.begin(), fixed.end());
     pl.exceptions.resize(counts[x]);
-    if (counts[x]) std::memcpy(pl.exceptions.data(), records.data() + 4 * at, 4 * std::uint64_t{counts[x]});
+    if (counts[x]) std::memcpy(pl.exceptions.data(), records_raw(at), 4 * std::uint64_t{counts[x]});
     at += counts[x];
   }
   try {

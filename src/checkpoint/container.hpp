@@ -11,12 +11,16 @@
 
 #include "csfmoe/b12x_planes.hpp"
 #include "csfmoe/codec.hpp"
+#include "csfmoe/mxfp4_slab_planes.hpp"
 #include "csfmoe/safetensors.hpp"
 
 namespace csfmoe::detail {
 
-// Version 2 adds the planes storage (CsfStorage); version 1 files still load.
-inline constexpr int kContainerVersion = 2;
+// The newest container version this build reads and writes: version 2 adds
+// the planes storage, version 3 the mxfp4_slab storage (CsfStorage); a file
+// is stamped with the lowest version that holds its storages
+// (container_version_for), and versions 1..3 load.
+inline constexpr int kContainerVersion = 3;
 inline constexpr const char* kContainerKey = "csfmoe.container";  // __metadata__ key of the descriptor
 inline constexpr const char* kOriginalKey = "csfmoe.original";    // __metadata__ key of the restore record
 inline constexpr const char* kFormatName = "csfmoe-csf";
@@ -33,15 +37,22 @@ enum class CsfStorage {
   // One expert projection's planes under b12x / vLLM's own tensor names
   // (`csf compress --schema b12x`): a file those loaders read as is.
   b12x,
+  // MXFP4 only (version 3): the planes in slab form (include/csfmoe/mxfp4_slab_planes.hpp):
+  // per 16-row slab one base byte, 2-bit row deltas and unpadded selector
+  // bits, the bases of escaped rows, the records and a record count per
+  // expert; loads through the same planes.
+  mxfp4_slab,
 };
 std::string_view to_string(CsfStorage s);
 
 // Part tensor names of a compressed tensor (resident: fixed, exceptions,
 // row_prefix, partition_index; planes: planes, exceptions, expert_exceptions;
-// b12x: its format's b12x fixed and exceptions names).
+// b12x: its format's b12x fixed and exceptions names; mxfp4_slab: slabs,
+// slab_escapes, exceptions, expert_exceptions).
 struct PartNames {
   std::string fixed, exceptions, row_prefix, partition_index, planes, expert_exceptions;
   std::string b12x_nvfp4_fixed, b12x_nvfp4_exceptions, b12x_mxfp4_fixed, b12x_mxfp4_exceptions;
+  std::string slabs, slab_escapes;
   std::vector<const std::string*> all() const {
     return {&fixed,
             &exceptions,
@@ -52,7 +63,9 @@ struct PartNames {
             &b12x_nvfp4_fixed,
             &b12x_nvfp4_exceptions,
             &b12x_mxfp4_fixed,
-            &b12x_mxfp4_exceptions};
+            &b12x_mxfp4_exceptions,
+            &slabs,
+            &slab_escapes};
   }
 };
 PartNames part_names(const std::string& tensor);
@@ -71,6 +84,9 @@ struct CsfEntry {
   std::string layer;
   CsfStorage storage = CsfStorage::resident;
 };
+// The lowest container version that can hold these entries' storages: 3 with
+// an mxfp4_slab entry, else 2.
+int container_version_for(const std::vector<CsfEntry>& entries);
 
 struct KeptNative {
   ScaleFormat format = ScaleFormat::nvfp4;
@@ -108,6 +124,9 @@ void write_csf_planes(st::Writer& w, const std::string& name, std::span<const Cs
 void write_b12x_planes(st::Writer& w, const std::string& name, const CsfPlanes& planes);
 // Bytes those plane parts take in the file.
 std::uint64_t planes_stored_bytes(std::span<const CsfPlanes> experts);
+// Writes the four mxfp4_slab part tensors of CSF tensor `name`, one slab form
+// per expert (all of one shape); mxfp4_slabs_stored_bytes counts their bytes.
+void write_csf_mxfp4_slabs(st::Writer& w, const std::string& name, std::span<const Mxfp4SlabPlanes> experts);
 // The part tensor names a CSF tensor has with this storage, in file order.
 std::vector<std::string> stored_part_names(const std::string& tensor, CsfStorage storage, ScaleFormat format);
 // Bytes the parts of `e` take in container `c` (0 for a part that is missing).

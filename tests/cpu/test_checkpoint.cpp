@@ -141,15 +141,21 @@ void check_container(const fs::path& p, const CheckpointReport& rep) {
   for (const auto& t : rep.tensors) {
     if (t.action == TensorAction::csf) {
       EXPECT_EQ(f.find(t.name), nullptr) << t.name;
-      // Either the resident parts (version 1 storage) or the plane parts, never both.
+      // The parts of one storage only: resident (version 1), planes, or MXFP4 slabs.
       const bool planes = f.find(t.name + ".csf.planes") != nullptr;
+      const bool slabs = f.find(t.name + ".csf.slabs") != nullptr;
       const std::vector<const char*> parts =
-          planes ? std::vector<const char*>{".csf.planes", ".csf.exceptions", ".csf.expert_exceptions"}
-                 : std::vector<const char*>{".csf.fixed", ".csf.exceptions", ".csf.row_prefix",
-                                            ".csf.partition_index"};
+          slabs    ? std::vector<const char*>{".csf.slabs", ".csf.slab_escapes", ".csf.exceptions",
+                                              ".csf.expert_exceptions"}
+          : planes ? std::vector<const char*>{".csf.planes", ".csf.exceptions", ".csf.expert_exceptions"}
+                   : std::vector<const char*>{".csf.fixed", ".csf.exceptions", ".csf.row_prefix",
+                                              ".csf.partition_index"};
       const std::vector<const char*> absent =
-          planes ? std::vector<const char*>{".csf.fixed", ".csf.row_prefix", ".csf.partition_index"}
-                 : std::vector<const char*>{".csf.expert_exceptions"};
+          slabs    ? std::vector<const char*>{".csf.planes", ".csf.fixed", ".csf.row_prefix",
+                                              ".csf.partition_index"}
+          : planes ? std::vector<const char*>{".csf.slabs", ".csf.fixed", ".csf.row_prefix",
+                                              ".csf.partition_index"}
+                   : std::vector<const char*>{".csf.expert_exceptions", ".csf.slabs", ".csf.planes"};
       std::uint64_t stored = 0;
       for (const char* s : parts) {
         const st::TensorInfo* part = f.find(t.name + s);
@@ -157,7 +163,7 @@ void check_container(const fs::path& p, const CheckpointReport& rep) {
         stored += part->nbytes();
       }
       for (const char* s : absent) EXPECT_EQ(f.find(t.name + s), nullptr) << t.name << s;
-      EXPECT_EQ(f.find(t.name + (planes ? ".csf.planes" : ".csf.fixed"))->dtype, st::Dtype::U8);
+      EXPECT_EQ(f.find(t.name + parts.front())->dtype, st::Dtype::U8);
       EXPECT_EQ(f.find(t.name + ".csf.exceptions")->dtype, st::Dtype::U32);
       EXPECT_EQ(t.stats.encoded_bytes, stored) << t.name << ": the report's stored bytes are the parts' bytes";
     } else {
@@ -439,11 +445,13 @@ TEST(Checkpoint, ShardedFolderWithIndexAndConfig) {
        {std::pair<std::string, std::string>{"model.layers.0.mlp.experts.w13.weight_scale",
                                             "model-00001-of-00002.safetensors"},
         {"model.layers.1.mlp.experts.down_proj_scales", "model-00002-of-00002.safetensors"}}) {
-    const bool planes = wm.contains(tensor + ".csf.planes");
+    const bool planes = wm.contains(tensor + ".csf.planes"), slabs = wm.contains(tensor + ".csf.slabs");
     const std::vector<std::string> parts =
-        planes ? std::vector<std::string>{".csf.planes", ".csf.exceptions", ".csf.expert_exceptions"}
-               : std::vector<std::string>{".csf.fixed", ".csf.exceptions", ".csf.row_prefix",
-                                          ".csf.partition_index"};
+        slabs    ? std::vector<std::string>{".csf.slabs", ".csf.slab_escapes", ".csf.exceptions",
+                                            ".csf.expert_exceptions"}
+        : planes ? std::vector<std::string>{".csf.planes", ".csf.exceptions", ".csf.expert_exceptions"}
+                 : std::vector<std::string>{".csf.fixed", ".csf.exceptions", ".csf.row_prefix",
+                                            ".csf.partition_index"};
     for (const auto& s : parts) EXPECT_EQ(wm[tensor + s], shard) << tensor << s;
   }
   EXPECT_TRUE(wm.contains("model.layers.1.mlp.experts.w2.weight_scale"))

@@ -785,7 +785,8 @@ TEST_F(CliTest, SynthWritesRealGeometryGroupedByLayer) {
 }
 
 // The tensor-parallel shards b12x reports on: synth writes their short MXFP4
-// down-projection rows, and they round-trip byte-identical.
+// down-projection rows, stored in the smaller slab form (planes with
+// --no-mxfp4-slab), and they round-trip byte-identical.
 TEST_F(CliTest, SynthShardPresetsHaveTheirRowLengthsAndRoundTrip) {
   CSFMOE_SEEDED(seed);
   const std::pair<const char*, std::uint64_t> presets[] = {
@@ -807,6 +808,14 @@ TEST_F(CliTest, SynthShardPresetsHaveTheirRowLengthsAndRoundTrip) {
     ASSERT_EQ(csf({"compress", src.string(), c.string(), "--quiet"}).code, 0);
     ASSERT_EQ(csf({"decompress", c.string(), r.string(), "--quiet"}).code, 0);
     EXPECT_TRUE(read_bytes(src) == read_bytes(r));
+    const auto p = dir_ / "out" / (std::string(name) + ".planes.safetensors");
+    ASSERT_EQ(csf({"compress", src.string(), p.string(), "--quiet", "--no-mxfp4-slab"}).code, 0);
+    const std::string down = "model.layers.0.mlp.experts.down_proj_scales";
+    const auto slabs = csfmoe::st::File::open(c), planes = csfmoe::st::File::open(p);
+    ASSERT_TRUE(slabs.find(down + ".csf.slabs")) << "short MXFP4 rows are stored as slabs";
+    ASSERT_TRUE(planes.find(down + ".csf.planes"));
+    EXPECT_LT(slabs.find(down + ".csf.slabs")->nbytes(), planes.find(down + ".csf.planes")->nbytes());
+    EXPECT_LT(fs::file_size(c), fs::file_size(p));
   }
 }
 

@@ -34,8 +34,9 @@ struct CompressArgs {
   std::string layout;  // "" = each file's csfmoe.scale_layout tag, else row_major
   unsigned threads = 0;
   bool quiet = false;
-  unsigned tp = 1, tp_rank = 0;  // compress only: tensor-parallel slice to store
+  unsigned tp = 1, tp_rank = 0;   // compress only: tensor-parallel slice to store
   std::string schema = "csfmoe";  // compress only: csfmoe | b12x
+  bool no_mxfp4_slab = false;     // compress only: keep MXFP4 scales as planes
 };
 
 struct QuantizeArgs {

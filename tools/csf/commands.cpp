@@ -70,6 +70,7 @@ int run_compress(const CompressArgs& a) {
   o.tp = a.tp;
   o.tp_rank = a.tp_rank;
   o.schema = a.schema == "b12x" ? CheckpointSchema::b12x : CheckpointSchema::csfmoe;
+  o.mxfp4_slab = !a.no_mxfp4_slab;
   o.threads = a.threads;
   o.layout = layout_arg(a.layout);
   ProgressPrinter progress("compress", a.quiet);

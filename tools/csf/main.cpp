@@ -75,6 +75,9 @@ Exit codes: 0 success; 1 error (bad or corrupt input, I/O; nothing is written); 
                    "loaders read, still restored byte for byte by csf decompress)")
       ->check(CLI::IsMember({"csfmoe", "b12x"}))
       ->capture_default_str();
+  c_compress->add_flag("--no-mxfp4-slab", compress.no_mxfp4_slab,
+                       "csfmoe schema: store MXFP4 scales as b12x's planes (container version 2) even where "
+                       "their slab form (version 3: a base per 16 rows, unpadded selectors) is smaller");
   auto* rank_option = c_compress->add_option("--rank", compress.tp_rank,
                                              "tensor-parallel rank in [0, --tp); required with --tp");
 
