@@ -425,7 +425,8 @@ std::string b12x_fixed_name(std::string_view scale, ScaleFormat format) {
   return std::string(scale) + (format == ScaleFormat::nvfp4 ? ".nvfp4_csf_fixed" : ".mxfp4_csf_fixed");
 }
 std::string b12x_exceptions_name(std::string_view scale, ScaleFormat format) {
-  return std::string(scale) + (format == ScaleFormat::nvfp4 ? ".nvfp4_csf_exceptions" : ".mxfp4_csf_exceptions");
+  return std::string(scale) +
+         (format == ScaleFormat::nvfp4 ? ".nvfp4_csf_exceptions" : ".mxfp4_csf_exceptions");
 }
 
 }  // namespace csfmoe

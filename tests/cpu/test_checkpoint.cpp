@@ -165,7 +165,8 @@ void check_container(const fs::path& p, const CheckpointReport& rep) {
       for (const char* s : absent) EXPECT_EQ(f.find(t.name + s), nullptr) << t.name << s;
       EXPECT_EQ(f.find(t.name + parts.front())->dtype, st::Dtype::U8);
       EXPECT_EQ(f.find(t.name + ".csf.exceptions")->dtype, st::Dtype::U32);
-      EXPECT_EQ(t.stats.encoded_bytes, stored) << t.name << ": the report's stored bytes are the parts' bytes";
+      EXPECT_EQ(t.stats.encoded_bytes, stored)
+          << t.name << ": the report's stored bytes are the parts' bytes";
     } else {
       EXPECT_NE(f.find(t.name), nullptr) << t.name;
     }
@@ -622,7 +623,8 @@ TEST(Checkpoint, CorruptContainersAreCaught) {
     compress_checkpoint(dir.path / "a.safetensors", resident, o);
     ASSERT_NE(st::File::open(resident).find(scale + ".csf.row_prefix"), nullptr);
   }
-  auto corrupt_resident = [&](const std::string& tensor, std::uint64_t at, const std::function<void(char&)>& f) {
+  auto corrupt_resident = [&](const std::string& tensor, std::uint64_t at,
+                              const std::function<void(char&)>& f) {
     const fs::path p = dir.path / ("bad" + std::to_string(n++) + ".csf");
     fs::copy_file(resident, p);
     patch_file(p, file_offset(p, tensor) + at, f);

@@ -69,10 +69,11 @@ Exit codes: 0 success; 1 error (bad or corrupt input, I/O; nothing is written); 
                    "tensor-parallel degree: store only rank --rank's slice of the MoE expert projections")
       ->check(CLI::Range(1u, 1024u));
   c_compress
-      ->add_option("--schema", compress.schema,
-                   "csfmoe (default: every scale that pays, stored compactly) or b12x (b12x / vLLM's canonical "
-                   "planes, X.nvfp4_csf_fixed + X.nvfp4_csf_exceptions, for every per-expert scale; a file those "
-                   "loaders read, still restored byte for byte by csf decompress)")
+      ->add_option(
+          "--schema", compress.schema,
+          "csfmoe (default: every scale that pays, stored compactly) or b12x (b12x / vLLM's canonical "
+          "planes, X.nvfp4_csf_fixed + X.nvfp4_csf_exceptions, for every per-expert scale; a file those "
+          "loaders read, still restored byte for byte by csf decompress)")
       ->check(CLI::IsMember({"csfmoe", "b12x"}))
       ->capture_default_str();
   c_compress->add_flag("--no-mxfp4-slab", compress.no_mxfp4_slab,

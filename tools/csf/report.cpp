@@ -323,13 +323,15 @@ nlohmann::json resident_json(const ResidentBytes& b) {
 void print_device_report(std::FILE* out, const CheckpointReport& r) {
   const DeviceTotals d = device_totals(r);
   fmt::print(out, "\nresident device memory (block scales native -> CSF; b12x: what b12x keeps resident)\n");
-  fmt::print(out, "{:<48} {:>12} {:>12} {:>12} {:>12} {:>8}\n", "layer", "native", "csf", "b12x", "saved", "ratio");
+  fmt::print(out, "{:<48} {:>12} {:>12} {:>12} {:>12} {:>8}\n", "layer", "native", "csf", "b12x", "saved",
+             "ratio");
   auto row = [&](const std::string& name, const ResidentBytes& b, std::optional<std::uint64_t> b12x) {
     fmt::print(out, "{:<48} {:>12} {:>12} {:>12} {:>12} {:>8}\n", elide(name, 48), human_bytes(b.native),
                human_bytes(b.csf), b12x ? human_bytes(*b12x) : std::string("-"), human_bytes(b.saved()),
                percent(b.ratio()));
   };
-  for (std::size_t i = 0; i < d.layers.size(); ++i) row(d.layers[i].first, d.layers[i].second, d.layers_b12x[i]);
+  for (std::size_t i = 0; i < d.layers.size(); ++i)
+    row(d.layers[i].first, d.layers[i].second, d.layers_b12x[i]);
   row("all block scales", d.scales, d.scales_b12x);
   row("model (all tensors)", d.model, std::nullopt);
   fmt::print(out, "expand scratch shared by all layers (largest layer's native scales): {}\n",
