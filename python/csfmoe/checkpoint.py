@@ -44,14 +44,16 @@ def is_csf_container(path) -> bool:
 
 
 def compress_checkpoint(src, dst, layout: str = "", threads: int = 0, schema: str = "csfmoe",
-                        tp: int = 1, rank: int = 0):
+                        tp: int = 1, rank: int = 0, mxfp4_slab: bool = True):
     """csf compress: writes a container (file or folder) at dst; returns
     (scale source bytes, scale stored bytes). layout "" takes each file's
     csfmoe.scale_layout tag (else row_major); a layout that contradicts the
     tag is an error. schema "b12x" writes b12x / vLLM's plane tensors for
     every per-expert scale (docs/container-format.md); tp / rank store one
-    tensor-parallel slice (src may then be compressed already)."""
-    return tuple(_C.compress_checkpoint(os.fspath(src), os.fspath(dst), layout, threads, schema, tp, rank))
+    tensor-parallel slice (src may then be compressed already). mxfp4_slab
+    False keeps MXFP4 scales as b12x's planes where the slab form is smaller."""
+    return tuple(_C.compress_checkpoint(os.fspath(src), os.fspath(dst), layout, threads, schema, tp, rank,
+                                        mxfp4_slab))
 
 
 def _place(raw: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -260,7 +260,7 @@ void bind_checkpoint(nb::module_& m) {
   m.def(
       "compress_checkpoint",
       [](const std::filesystem::path& in, const std::filesystem::path& out, const std::string& layout,
-         unsigned threads, const std::string& schema, unsigned tp, unsigned rank) {
+         unsigned threads, const std::string& schema, unsigned tp, unsigned rank, bool mxfp4_slab) {
         CompressOptions o;
         if (!layout.empty()) o.layout = layout_arg(layout);  // else each file's own tag
         o.threads = threads;
@@ -269,12 +269,13 @@ void bind_checkpoint(nb::module_& m) {
         o.schema = schema == "b12x" ? CheckpointSchema::b12x : CheckpointSchema::csfmoe;
         o.tp = tp;
         o.tp_rank = rank;
+        o.mxfp4_slab = mxfp4_slab;
         nb::gil_scoped_release nogil;
         const CheckpointReport r = compress_checkpoint(in, out, o);
         return std::make_pair(r.scale_source_bytes, r.scale_stored_bytes);
       },
       nb::arg("src"), nb::arg("dst"), nb::arg("layout") = "", nb::arg("threads") = 0,
-      nb::arg("schema") = "csfmoe", nb::arg("tp") = 1, nb::arg("rank") = 0);
+      nb::arg("schema") = "csfmoe", nb::arg("tp") = 1, nb::arg("rank") = 0, nb::arg("mxfp4_slab") = true);
 }
 
 }  // namespace csfmoe::py

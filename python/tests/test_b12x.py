@@ -106,3 +106,31 @@ def test_tensor_parallel_slice_of_a_compressed_input(b12x_file, tmp_path):
         assert all(as_bytes(a[n]) == as_bytes(b[n]) for n in a)
     with pytest.raises(csfmoe.InvalidArgument, match="schema"):
         csfmoe.checkpoint.compress_checkpoint(src, tmp_path / "x.safetensors", schema="zip")
+
+
+def test_mxfp4_slab_storage_is_optional(gen, tmp_path):
+    """MXFP4 short rows: the slab form by default where it is smaller, b12x's
+    planes on request; both restore the source exactly."""
+    e, rows, c = 2, 64, 12
+    # E8M0 scales as real MXFP4 rows have them: each row's bytes at its base or
+    # base + 1, row bases a few steps apart, a few bytes elsewhere.
+    base = 118 + torch.randint(0, 3, (e, rows, 1), generator=gen)
+    scales = (base + torch.randint(0, 2, (e, rows, c), generator=gen)).to(torch.uint8)
+    scales.view(-1)[torch.randint(0, scales.numel(), (5,), generator=gen)] = 0xFF
+    t = {
+        "model.layers.0.mlp.experts.gate_up_proj_blocks":
+            torch.randint(0, 256, (e, rows, c, 16), generator=gen, dtype=torch.uint8),
+        "model.layers.0.mlp.experts.gate_up_proj_scales": scales,
+    }
+    src = tmp_path / "m.safetensors"
+    write_safetensors(src, t)
+    stored = {}
+    for slab in (True, False):
+        dst = tmp_path / f"c{slab}.safetensors"
+        stored[slab] = csfmoe.checkpoint.compress_checkpoint(src, dst, mxfp4_slab=slab)[1]
+        entries = csfmoe._csfmoe.SafetensorsFile(str(dst)).csf_entries()
+        storage = {v["storage"] for v in entries.values()}
+        assert storage == ({"mxfp4_slab"} if slab else {"planes"}), storage
+        loaded = csfmoe.load_checkpoint(dst, decode=True)
+        assert all(as_bytes(loaded[n]) == as_bytes(t[n]) for n in t)
+    assert stored[True] < stored[False]

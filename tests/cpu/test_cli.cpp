@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "checkpoint/container.hpp"
+#include "csfmoe/b12x_planes.hpp"
 #include "csfmoe/codec.hpp"
 #include "csfmoe/quantize.hpp"
 #include "csfmoe/safetensors.hpp"
@@ -1060,6 +1061,47 @@ TEST_F(CliTest, SweepsDeadTemporariesOfOtherOutputs) {
   ASSERT_EQ(csf({"compress", src.string(), (dir_ / "out" / "c.safetensors").string(), "-q"}).code, 0);
   EXPECT_FALSE(fs::exists(dir_ / "out" / stale)) << "a dead run's temporary was left";
   EXPECT_TRUE(fs::exists(dir_ / "out" / live)) << "a live run's temporary was removed";
+}
+
+// A file as b12x / vLLM write it (planes under their names, no csfmoe
+// metadata): verify says what it checked, decompress restores the scales,
+// compress refuses it with what to do instead.
+TEST_F(CliTest, FilesWrittenByB12xVerifyDecompressAndAreNotCompressedAgain) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const std::uint32_t R = 64, C = 32;
+  const csfmoe::GridShape g{csfmoe::ScaleFormat::nvfp4, csfmoe::ScaleLayout::row_major, 1, R, C};
+  const auto grid = csfmoe::synthetic_scales(g, csfmoe::ScaleDistribution::realistic, rng());
+  const std::string scale = "model.layers.0.mlp.experts.0.gate_proj.weight_scale";
+  const auto planes = csfmoe::encode_planes({csfmoe::ScaleFormat::nvfp4, R, C}, grid, scale);
+  Bytes rec(planes.exceptions.size() * 4);
+  if (!rec.empty()) std::memcpy(rec.data(), planes.exceptions.data(), rec.size());
+  const std::vector<T> ts = {{"model.layers.0.mlp.experts.0.gate_proj.weight",
+                              "U8",
+                              {R, C * 8},
+                              random_bytes(rng, std::size_t(R) * C * 8)},
+                             {csfmoe::b12x_fixed_name(scale, csfmoe::ScaleFormat::nvfp4),
+                              "U8",
+                              {R / 16, 16 * (1 + C / 2)},
+                              planes.fixed},
+                             {csfmoe::b12x_exceptions_name(scale, csfmoe::ScaleFormat::nvfp4),
+                              "U32",
+                              {planes.exceptions.size()},
+                              rec}};
+  const auto p = write("b12x.safetensors", file_bytes(ts));
+  const auto v = csf({"verify", p.string()});
+  EXPECT_EQ(v.code, 0) << v.err;
+  EXPECT_NE(v.out.find("1 b12x plane pairs checked and decoded"), std::string::npos) << v.out;
+  const auto c = csf({"compress", p.string(), (dir_ / "out" / "c.safetensors").string()});
+  expect_clean_failure(c, {"b12x.safetensors", "decompress it first"});
+  const auto d = csf({"decompress", p.string(), (dir_ / "native.safetensors").string(), "-q"});
+  ASSERT_EQ(d.code, 0) << d.err;
+  const auto native = csfmoe::st::File::open(dir_ / "native.safetensors");
+  const auto* t = native.find(scale);
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->dtype, csfmoe::st::Dtype::F8_E4M3);
+  const auto bytes = native.data(*t);
+  EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), grid.begin(), grid.end()));
 }
 
 TEST_F(CliTest, DemoPasses) {
