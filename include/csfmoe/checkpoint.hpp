@@ -82,6 +82,9 @@ struct TensorReport {
   // is what the container stores (planes or resident form).
   CsfStats stats;
   std::uint64_t resident_bytes = 0;  // the CSF tensor's resident (device) form, when measured
+  // How a CSF tensor is (or would be) stored: "resident", "planes", "b12x" or
+  // "mxfp4_slab" (docs/container-format.md); "" for other tensors.
+  std::string storage;
   // What b12x keeps resident for the same tensor: the same fixed slabs and
   // records plus an 8-byte offset per partition (no per-row prefix).
   std::uint64_t b12x_resident_bytes = 0;

@@ -284,6 +284,7 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
           stored_bytes = csf_bytes;
           CsfEntry entry = csf_entry(*t, *cand, c32, enc.exceptions.size());
           entry.storage = storage;
+          tr.storage = std::string(to_string(storage));
           if (w) {
             if (storage == CsfStorage::resident)
               write_csf_parts(*w, t->name, enc);
@@ -371,6 +372,7 @@ void read_b12x_file(const st::File& file, const ForeignB12x& v, st::Writer* out,
       tr.stats = stats(enc);
       set_resident(tr, enc);
       stored = tr.stats.encoded_bytes = stored_part_bytes(file, *e);
+      tr.storage = std::string(to_string(e->storage));
     } else {
       const st::TensorInfo* ft = file.find(t->name);
       if (out) out->add_tensor(t->name, t->dtype, t->shape, file.data(*ft));
@@ -471,6 +473,7 @@ void restore_file(const st::File& c, const ContainerInfo& info, st::AtomicFile* 
       tr.stats = stats(enc);
       set_resident(tr, enc);
       stored = tr.stats.encoded_bytes = stored_part_bytes(c, *e);
+      tr.storage = std::string(to_string(e->storage));
     } else {
       const st::TensorInfo* ct = c.find(t->name);
       if (!ct) throw FormatError(fmt::format("{}: tensor '{}' of the original is missing", label, t->name));
@@ -992,6 +995,7 @@ CheckpointReport inspect_checkpoint(const fs::path& in, const CompressOptions& o
           tr.stats = stats(enc);
           set_resident(tr, enc);
           stored = tr.stats.encoded_bytes = stored_part_bytes(file, *e);
+          tr.storage = std::string(to_string(e->storage));
         } else if (auto k = info->native_kept.find(t->name); k != info->native_kept.end()) {
           tr.action = TensorAction::native_kept;
           tr.format = k->second.format;

@@ -134,6 +134,7 @@ TEST(ContainerV2, PlanesStoreBasesCodesAndRecordsOnly) {
       if (x.name == name) t = &x;
     ASSERT_NE(t, nullptr);
     ASSERT_EQ(t->action, TensorAction::csf);
+    EXPECT_EQ(t->storage, "planes");
     const std::uint64_t codes = f == ScaleFormat::nvfp4 ? C / 2 : (C + 7) / 8;
     const std::uint64_t want = std::uint64_t{E} * R * (1 + codes) + 4 * t->stats.exceptions + 4 * E;
     EXPECT_EQ(t->stats.encoded_bytes, want);
@@ -196,6 +197,8 @@ TEST(ContainerV2, OtherGridsKeepTheResidentStorage) {
     const auto file = st::File::open(d.path / "c.safetensors");
     EXPECT_EQ(file.find("x.weight_scale.csf.planes"), nullptr);
     EXPECT_NE(file.find("x.weight_scale.csf.row_prefix"), nullptr);
+    for (const auto& t : inspect_checkpoint(d.path / "c.safetensors").tensors)
+      if (t.name == "x.weight_scale") EXPECT_EQ(t.storage, "resident");
     decompress_checkpoint(d.path / "c.safetensors", d.path / "back.safetensors");
     EXPECT_TRUE(read_bytes(d.path / "back.safetensors") == read_bytes(d.path / "m.safetensors"));
   }

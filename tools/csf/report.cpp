@@ -248,6 +248,7 @@ nlohmann::json report_to_json(const CheckpointReport& r) {
       j["exception_rate"] = t.stats.exception_rate();
       j["distinct_bases"] = t.stats.distinct_bases;
       j["encoded_bytes"] = t.stats.encoded_bytes;
+      if (!t.storage.empty()) j["storage"] = t.storage;
       j["csf_ratio"] = t.stats.ratio();
       j["ratio"] = source_bytes(t) ? double(stored_bytes(t)) / double(source_bytes(t)) : 0.0;
     }
