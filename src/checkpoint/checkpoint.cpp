@@ -335,19 +335,17 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
   return result;
 }
 
-// Decodes a stored CSF tensor and checks it against its descriptor's size and CRC32.
-std::vector<std::uint8_t> decode_checked(const CsfTensor& enc, const CsfEntry& e, const st::TensorInfo& t,
-                                         const std::string& label, const CodecOptions& copts) {
-  if (enc.source_bytes() != t.nbytes())
-    throw FormatError(fmt::format("{}: tensor '{}': grid of {} bytes for a tensor of {}", label, t.name,
-                                  enc.source_bytes(), t.nbytes()));
-  std::vector<std::uint8_t> buf(t.nbytes());
-  decode(enc, e.grid.layout, buf, copts, /*trusted=*/true);
-  const std::uint32_t c32 = crc_of(buf);
-  if (c32 != e.crc32)
-    throw CorruptData(fmt::format("{}: tensor '{}': CRC32 of the decoded tensor is {:08x}, expected {:08x}",
-                                  label, t.name, c32, e.crc32));
-  return buf;
+// Fills the report of a tensor stored as CSF from its loaded parts: stats,
+// resident sizes, storage; returns the bytes its parts take in `file`.
+std::uint64_t report_stored_csf(TensorReport& tr, const st::File& file, const CsfEntry& e,
+                                const CsfTensor& enc) {
+  tr.action = TensorAction::csf;
+  tr.format = e.grid.format;
+  tr.layer = e.layer;
+  tr.stats = stats(enc);
+  set_resident(tr, enc);
+  tr.storage = std::string(to_string(e.storage));
+  return tr.stats.encoded_bytes = stored_part_bytes(file, e);
 }
 
 // A file written by b12x / vLLM: every plane pair checked against b12x's
@@ -363,16 +361,10 @@ void read_b12x_file(const st::File& file, const ForeignB12x& v, st::Writer* out,
     std::uint64_t stored = t->nbytes();
     if (const CsfEntry* e = v.find(t->name)) {
       const CsfTensor enc = load_csf_parts(file, *e, label);
-      std::vector<std::uint8_t> buf(t->nbytes());
-      decode(enc, e->grid.layout, buf, codec_options(job.opt), /*trusted=*/true);
+      const auto buf =
+          decode_checked(enc, *e, t->nbytes(), label, codec_options(job.opt), /*check_crc=*/false);
       if (out) out->add_tensor(t->name, t->dtype, t->shape, buf);
-      tr.action = TensorAction::csf;
-      tr.format = e->grid.format;
-      tr.layer = e->layer;
-      tr.stats = stats(enc);
-      set_resident(tr, enc);
-      stored = tr.stats.encoded_bytes = stored_part_bytes(file, *e);
-      tr.storage = std::string(to_string(e->storage));
+      stored = report_stored_csf(tr, file, *e, enc);
     } else {
       const st::TensorInfo* ft = file.find(t->name);
       if (out) out->add_tensor(t->name, t->dtype, t->shape, file.data(*ft));
@@ -464,16 +456,10 @@ void restore_file(const st::File& c, const ContainerInfo& info, st::AtomicFile* 
     std::uint32_t c32 = 0;
     if (const CsfEntry* e = info.find(t->name)) {
       CsfTensor enc = load_csf_parts(c, *e, label);
-      const std::vector<std::uint8_t> buf = decode_checked(enc, *e, *t, label, copts);
+      const std::vector<std::uint8_t> buf = decode_checked(enc, *e, t->nbytes(), label, copts, true);
       c32 = e->crc32;
       if (out) out->write(buf);
-      tr.action = TensorAction::csf;
-      tr.format = e->grid.format;
-      tr.layer = e->layer;
-      tr.stats = stats(enc);
-      set_resident(tr, enc);
-      stored = tr.stats.encoded_bytes = stored_part_bytes(c, *e);
-      tr.storage = std::string(to_string(e->storage));
+      stored = report_stored_csf(tr, c, *e, enc);
     } else {
       const st::TensorInfo* ct = c.find(t->name);
       if (!ct) throw FormatError(fmt::format("{}: tensor '{}' of the original is missing", label, t->name));
@@ -988,14 +974,8 @@ CheckpointReport inspect_checkpoint(const fs::path& in, const CompressOptions& o
         std::uint64_t stored = t->nbytes();
         if (const CsfEntry* e = info->find(t->name)) {
           CsfTensor enc = load_csf_parts(file, *e, label);
-          (void)decode_checked(enc, *e, *t, label, codec_options(options));
-          tr.action = TensorAction::csf;
-          tr.format = e->grid.format;
-          tr.layer = e->layer;
-          tr.stats = stats(enc);
-          set_resident(tr, enc);
-          stored = tr.stats.encoded_bytes = stored_part_bytes(file, *e);
-          tr.storage = std::string(to_string(e->storage));
+          (void)decode_checked(enc, *e, t->nbytes(), label, codec_options(options), true);
+          stored = report_stored_csf(tr, file, *e, enc);
         } else if (auto k = info->native_kept.find(t->name); k != info->native_kept.end()) {
           tr.action = TensorAction::native_kept;
           tr.format = k->second.format;

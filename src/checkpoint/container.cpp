@@ -581,4 +581,19 @@ CsfTensor load_csf_parts(const st::File& c, const CsfEntry& e, const std::string
   return t;
 }
 
+std::vector<std::uint8_t> decode_checked(const CsfTensor& enc, const CsfEntry& e, std::uint64_t nbytes,
+                                         const std::string& label, const CodecOptions& options,
+                                         bool check_crc) {
+  if (enc.source_bytes() != nbytes)
+    throw FormatError(fmt::format("{}: tensor '{}': CSF grid of {} bytes for a tensor of {}", label, e.name,
+                                  enc.source_bytes(), nbytes));
+  std::vector<std::uint8_t> buf(nbytes);
+  decode(enc, e.grid.layout, buf, options, /*trusted=*/true);
+  if (check_crc)
+    if (const std::uint32_t got = crc_of(buf); got != e.crc32)
+      throw CorruptData(fmt::format("{}: tensor '{}': CRC32 of the decoded tensor is {:08x}, expected {:08x}",
+                                    label, e.name, got, e.crc32));
+  return buf;
+}
+
 }  // namespace csfmoe::detail

@@ -153,6 +153,14 @@ std::uint64_t container_header_bound(const ContainerInfo& base, const std::vecto
 // FormatError messages start with `label` and the tensor name.
 CsfTensor load_csf_parts(const st::File& c, const CsfEntry& e, const std::string& label);
 
+// Decodes the loaded parts of CSF tensor `e` into its source layout, after
+// checking they make `nbytes` bytes, and (with `check_crc`; files written by
+// b12x / vLLM have no checksum) that their CRC32 is the descriptor's:
+// FormatError / CorruptData naming `label` and the tensor.
+std::vector<std::uint8_t> decode_checked(const CsfTensor& enc, const CsfEntry& e, std::uint64_t nbytes,
+                                         const std::string& label, const CodecOptions& options,
+                                         bool check_crc);
+
 // The original index bytes of a container folder's model.safetensors.index.json
 // (`raw`), if it is one csfmoe rewrote; CorruptData on a CRC mismatch.
 std::optional<std::string> original_index(const std::string& raw, const std::string& label);

@@ -42,16 +42,11 @@ struct CheckpointFile::Impl {
                                     name, what, got, want));
   }
 
-  // Decodes validated parts to their source layout and checks the original's CRC.
+  // Decodes validated parts to their source layout, checking the original's
+  // CRC where the file has one (a b12x / vLLM file has none).
   std::vector<std::uint8_t> decode_checked(const CsfEntry& e, const CsfTensor& enc, const st::TensorInfo& t,
                                            const CodecOptions& options) const {
-    if (enc.source_bytes() != t.nbytes())
-      throw FormatError(fmt::format("{}: tensor '{}': CSF grid of {} bytes for a tensor of {}", label(),
-                                    e.name, enc.source_bytes(), t.nbytes()));
-    std::vector<std::uint8_t> buf(t.nbytes());
-    decode(enc, e.grid.layout, buf, options, /*trusted=*/true);
-    if (info) check_crc(e.name, buf, e.crc32, "decoded tensor");  // b12x files carry no checksum
-    return buf;
+    return detail::decode_checked(enc, e, t.nbytes(), label(), options, info.has_value());
   }
 };
 
