@@ -30,6 +30,7 @@
 #include "csfmoe/quantize.hpp"
 #include "csfmoe/safetensors.hpp"
 #include "csfmoe/synthetic.hpp"
+#include "test_processes.hpp"
 #include "test_seed.hpp"
 
 extern char** environ;
@@ -1045,15 +1046,7 @@ TEST_F(CliTest, QuantizeSaysWhyAMatrixStaysAsItIs) {
 TEST_F(CliTest, SweepsDeadTemporariesOfOtherOutputs) {
   CSFMOE_SEEDED(seed);
   const auto src = write("nv.safetensors", file_bytes(make_nvfp4_sample(seed).tensors));
-  const pid_t gone = [] {
-    for (;;) {
-      const pid_t pid = ::fork();
-      if (pid == 0) ::_exit(0);
-      int status = 0;
-      ::waitpid(pid, &status, 0);
-      if (::kill(pid, 0) != 0 && errno == ESRCH) return pid;
-    }
-  }();
+  const pid_t gone = csfmoe::testing::dead_pid();
   const std::string stale = ".another-output.safetensors.tmp-" + std::to_string(gone);
   const std::string live = ".busy.safetensors.tmp-" + std::to_string(::getpid());
   write_bytes(dir_ / "out" / stale, Bytes(4096, 7));

@@ -34,6 +34,7 @@
 #include "csfmoe/safetensors.hpp"
 #include "csfmoe/synthetic.hpp"
 #include "test_files.hpp"
+#include "test_processes.hpp"
 #include "test_seed.hpp"
 
 namespace fs = std::filesystem;
@@ -41,6 +42,7 @@ using namespace csfmoe;
 
 namespace {
 
+using csfmoe::testing::dead_pid;
 using csfmoe::testing::read_bytes;
 using csfmoe::testing::TempDir;
 using csfmoe::testing::write_bytes;
@@ -204,17 +206,6 @@ void kill_and_rerun(const std::string& verb, const fs::path& in, const fs::path&
 void remove_temps(const fs::path& dir) {
   for (const auto& n : entries(dir))
     if (n.find(".tmp-") != std::string::npos) fs::remove_all(dir / n);
-}
-
-// A pid with no process: a child that exited and was reaped.
-pid_t dead_pid() {
-  for (;;) {
-    const pid_t pid = ::fork();
-    if (pid == 0) ::_exit(0);
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    if (::kill(pid, 0) != 0 && errno == ESRCH) return pid;
-  }
 }
 
 // A live process that is not the writer (a concurrent writer's stand-in).
