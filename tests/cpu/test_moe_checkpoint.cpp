@@ -109,6 +109,22 @@ std::vector<Tensor> stacked_tensors(const std::string& L, const MoeHostWeights& 
           g2};
 }
 
+// stacked_tensors with both scale tensors in the 128x4 swizzled layout. With
+// 2N a multiple of 128 (random_geometry), w13's swizzled grid has the
+// row-major shape: only a file's metadata tells the layouts apart.
+std::vector<Tensor> swizzled_stacked_tensors(const std::string& layer, const MoeHostWeights& w) {
+  const MoeLayerGeometry& g = w.geometry;
+  auto ts = stacked_tensors(layer, w);
+  const GridShape s13{ScaleFormat::nvfp4, ScaleLayout::row_major, g.experts, 2 * g.intermediate,
+                      g.hidden / 16};
+  const GridShape s2{ScaleFormat::nvfp4, ScaleLayout::row_major, g.experts, g.hidden, g.intermediate / 16};
+  ts[1].data = relayout_scales(s13, w.w13_scales, ScaleLayout::swizzled_128x4);
+  ts[1].shape = {g.experts, round_up(s13.rows, 128), round_up(s13.cols, 4)};
+  ts[5].data = relayout_scales(s2, w.w2_scales, ScaleLayout::swizzled_128x4);
+  ts[5].shape = {g.experts, round_up(s2.rows, 128), round_up(s2.cols, 4)};
+  return ts;
+}
+
 void expect_same(const MoeHostWeights& a, const MoeHostWeights& b) {
   EXPECT_EQ(a.format, b.format);
   EXPECT_EQ(a.geometry.experts, b.geometry.experts);
@@ -287,14 +303,7 @@ TEST(MoeCheckpoint, SwizzledScalesFromMetadata) {
   std::mt19937_64 rng(seed);
   const MoeLayerGeometry g = random_geometry(rng);
   const MoeHostWeights w = synthetic_moe_weights(ScaleFormat::nvfp4, g, seed);
-  auto ts = stacked_tensors(kL0, w);
-  const GridShape s13{ScaleFormat::nvfp4, ScaleLayout::row_major, g.experts, 2 * g.intermediate,
-                      g.hidden / 16};
-  const GridShape s2{ScaleFormat::nvfp4, ScaleLayout::row_major, g.experts, g.hidden, g.intermediate / 16};
-  ts[1].data = relayout_scales(s13, w.w13_scales, ScaleLayout::swizzled_128x4);
-  ts[1].shape = {g.experts, round_up(s13.rows, 128), round_up(s13.cols, 4)};
-  ts[5].data = relayout_scales(s2, w.w2_scales, ScaleLayout::swizzled_128x4);
-  ts[5].shape = {g.experts, round_up(s2.rows, 128), round_up(s2.cols, 4)};
+  const auto ts = swizzled_stacked_tensors(kL0, w);
   // The w13 grid needs no padding (2N is a multiple of 128), so only the metadata tells
   // the layouts apart; the bytes must differ for the test to mean anything.
   ASSERT_NE(ts[1].data, w.w13_scales);
@@ -313,18 +322,9 @@ TEST(MoeCheckpoint, SwizzledScalesFromMetadata) {
 TEST(MoeCheckpoint, CompressHonoursTheScaleLayoutTag) {
   CSFMOE_SEEDED(seed);
   std::mt19937_64 rng(seed);
-  MoeLayerGeometry g = random_geometry(rng);
-  g.intermediate =
-      64;  // 2N = 128: w13's swizzled grid has the row-major shape; only the tag tells them apart
+  const MoeLayerGeometry g = random_geometry(rng);
   const MoeHostWeights w = synthetic_moe_weights(ScaleFormat::nvfp4, g, seed);
-  auto ts = stacked_tensors(kL0, w);
-  const GridShape s13{ScaleFormat::nvfp4, ScaleLayout::row_major, g.experts, 2 * g.intermediate,
-                      g.hidden / 16};
-  const GridShape s2{ScaleFormat::nvfp4, ScaleLayout::row_major, g.experts, g.hidden, g.intermediate / 16};
-  ts[1].data = relayout_scales(s13, w.w13_scales, ScaleLayout::swizzled_128x4);
-  ts[1].shape = {g.experts, round_up(s13.rows, 128), round_up(s13.cols, 4)};
-  ts[5].data = relayout_scales(s2, w.w2_scales, ScaleLayout::swizzled_128x4);
-  ts[5].shape = {g.experts, round_up(s2.rows, 128), round_up(s2.cols, 4)};
+  const auto ts = swizzled_stacked_tensors(kL0, w);
   TempDir dir;
   write_st(dir / "m.safetensors", ts, st::Metadata{{std::string(kScaleLayoutKey), "swizzled_128x4"}});
   const MoeHostWeights native = load_moe_layer(dir / "m.safetensors", kL0, g.topk);
