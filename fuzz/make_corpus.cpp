@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,17 @@ namespace fs = std::filesystem;
 using namespace csfmoe;
 
 namespace {
+
+// A codec seed: `header`, then the recipe of `src` encoded on one thread.
+std::vector<std::uint8_t> recipe_seed(std::span<const std::uint8_t> header, const GridShape& shape,
+                                      const std::vector<std::uint8_t>& src) {
+  CodecOptions o;
+  o.threads = 1;
+  std::vector<std::uint8_t> seed(header.begin(), header.end());
+  const auto recipe = csfmoe_fuzz::write_recipe(encode(shape, src, o), src);
+  seed.insert(seed.end(), recipe.begin(), recipe.end());
+  return seed;
+}
 
 void put(const fs::path& p, const std::vector<std::uint8_t>& b) {
   std::ofstream f(p, std::ios::binary);
@@ -123,14 +135,9 @@ int main(int argc, char** argv) {
                                    static_cast<std::uint8_t>(n % 2), 199, 1,
                                    static_cast<std::uint8_t>(19 + 4 * swz)};
         const auto choice = csfmoe_fuzz::shape_from_header(h);
-        const auto src = synthetic_scales(choice.shape, d, 77 + n);
-        CodecOptions o;
-        o.threads = 1;
-        const CsfTensor t = encode(choice.shape, src, o);
-        std::vector<std::uint8_t> seed(h, h + 5);
-        const auto recipe = csfmoe_fuzz::write_recipe(t, src);
-        seed.insert(seed.end(), recipe.begin(), recipe.end());
-        put(out / "fuzz_csf_decode" / fmt::format("grid{}", n++), seed);
+        put(out / "fuzz_csf_decode" / fmt::format("grid{}", n),
+            recipe_seed(h, choice.shape, synthetic_scales(choice.shape, d, 77 + n)));
+        ++n;
       }
   std::mt19937_64 rng(4242);
   for (int k = 0; k < 4; ++k) {
@@ -147,14 +154,9 @@ int main(int argc, char** argv) {
       const std::uint8_t h[3] = {static_cast<std::uint8_t>(f), 6, 17};
       const GridShape shape{f ? ScaleFormat::mxfp4 : ScaleFormat::nvfp4, ScaleLayout::row_major, 1, 112,
                             f ? 18u : 36u};
-      const auto src = synthetic_scales(shape, d, 500 + m);
-      CodecOptions o;
-      o.threads = 1;
-      const CsfTensor t = encode(shape, src, o);
-      std::vector<std::uint8_t> seed(h, h + 3);
-      const auto recipe = csfmoe_fuzz::write_recipe(t, src);
-      seed.insert(seed.end(), recipe.begin(), recipe.end());
-      put(out / "fuzz_b12x_planes" / fmt::format("grid{}", m++), seed);
+      put(out / "fuzz_b12x_planes" / fmt::format("grid{}", m),
+          recipe_seed(h, shape, synthetic_scales(shape, d, 500 + m)));
+      ++m;
     }
   for (int k = 0; k < 4; ++k) {
     std::vector<std::uint8_t> seed = {static_cast<std::uint8_t>(2 | (k & 1)), static_cast<std::uint8_t>(k),
@@ -171,14 +173,9 @@ int main(int argc, char** argv) {
       const std::uint8_t h[3] = {0, static_cast<std::uint8_t>(q % 8), static_cast<std::uint8_t>(cols - 1)};
       const GridShape shape{ScaleFormat::mxfp4, ScaleLayout::row_major, 1, 16u * (1 + q % 8),
                             static_cast<std::uint32_t>(cols)};
-      const auto src = synthetic_scales(shape, d, 900 + q);
-      CodecOptions o;
-      o.threads = 1;
-      const CsfTensor t = encode(shape, src, o);
-      std::vector<std::uint8_t> seed(h, h + 3);
-      const auto recipe = csfmoe_fuzz::write_recipe(t, src);
-      seed.insert(seed.end(), recipe.begin(), recipe.end());
-      put(out / "fuzz_mxfp4_slabs" / fmt::format("grid{}", q++), seed);
+      put(out / "fuzz_mxfp4_slabs" / fmt::format("grid{}", q),
+          recipe_seed(h, shape, synthetic_scales(shape, d, 900 + q)));
+      ++q;
     }
   for (int k = 0; k < 4; ++k) {
     std::vector<std::uint8_t> seed = {2, static_cast<std::uint8_t>(k), static_cast<std::uint8_t>(5 + 6 * k)};
