@@ -6,6 +6,7 @@
 //                 [--timeline FILE]   (builds with -DCSFMOE_DECODE_TIMELINE=1 only)
 //                 [--decode-warps 1|2|4|8] [--decode-run R] [--decode-copy 1] [--decode-kb-per-warp N]
 //                 [--decode-min-kb N] [--decode-waves N]   (MoeBindOptions::tuning of every binding)
+//                 [--grouped-tiles 0,16,32,64,128] [--grouped-from T] [--dump-draws DIR]
 //
 // Per shape and token count T (top-8 routing, distinct experts per token):
 //   roofline  = bytes of the distinct experts the call touches (FP4 weights +
@@ -26,6 +27,14 @@
 //               expert a gate/up and a down GEMM (cublasGemmEx, FP32 accumulate),
 //               captured in a CUDA graph; routing, SiLU and combine are not
 //               counted for the peer (its time is a lower bound).
+// Grouped: native on the grouped kernel forced, per token tile of
+//               --grouped-tiles (0 = the call plan's choice), from T >=
+//               --grouped-from (default 64); the first tile also routed
+//               (CSF), bitwise against native, and every tile against the
+//               decode kernel (relative difference).
+// --dump-draws DIR writes each shape's routing draws (DIR/<shape>-T<T>.bin:
+//               int64 ids [8][T][k] then float32 weights [8][T][k]) for the
+//               peer bench (bench/humming_peer.py).
 // Prefill: FLOPs 2 * T * k * 3 * H * N over the time, against the dense BF16
 // tensor rate measured here (cuBLAS 8192^3).
 // Overlap: expand_scales of a whole layer on a low-priority side stream while
@@ -208,6 +217,9 @@ struct Args {
   std::string timeline;  // decode block timelines of one extra replay per binding (diagnostic builds)
   bool peer = true, overlap = true;
   MoeDecodeTuning tuning;  // decode block shape overrides (-1 = auto)
+  std::vector<std::uint32_t> grouped_tiles = {0};
+  std::uint32_t grouped_from = 64;
+  std::string dump_draws;
 };
 
 Args parse(int argc, char** argv) {
@@ -254,6 +266,12 @@ Args parse(int argc, char** argv) {
       a.tuning.min_kblocks_per_warp = std::stoi(val());
     } else if (k == "--decode-waves") {
       a.tuning.waves = std::stoi(val());
+    } else if (k == "--grouped-tiles") {
+      a.grouped_tiles = parse_list(val());
+    } else if (k == "--grouped-from") {
+      a.grouped_from = std::uint32_t(std::stoul(val()));
+    } else if (k == "--dump-draws") {
+      a.dump_draws = val();
     } else if (k == "--no-prefill") {
       a.prefill.clear();
     } else if (k == "--no-peer") {
@@ -507,6 +525,17 @@ int main(int argc, char** argv) {
                       draws[i].weights.size() * 4, cudaMemcpyHostToDevice),
            "weights");
       }
+      if (!args.dump_draws.empty()) {
+        const std::string path = args.dump_draws + "/" + sn + "-T" + std::to_string(T) + ".bin";
+        std::FILE* f = std::fopen(path.c_str(), "wb");
+        if (f == nullptr) {
+          std::fprintf(stderr, "bench_gpu_moe: cannot write %s\n", path.c_str());
+          return 1;
+        }
+        for (const Draw& d : draws) std::fwrite(d.ids.data(), 8, d.ids.size(), f);
+        for (const Draw& d : draws) std::fwrite(d.weights.data(), 4, d.weights.size(), f);
+        std::fclose(f);
+      }
       std::vector<std::uint16_t> h(std::size_t{T} * H);
       std::normal_distribution<float> x(0.0f, 1.0f);
       for (auto& v : h) v = float_to_bf16(x(rng));
@@ -578,7 +607,7 @@ int main(int argc, char** argv) {
       // 6: native, prefill kernel forced (T >= 256 on sm_90: the crossover).
       // 7: native on the kernel bind() picks, launched in strict stream order (no PDL).
       float us[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      std::vector<std::uint16_t> outs[8];
+      std::vector<std::uint16_t> outs[9];  // [8]: the grouped kernel's native output (first tile)
       std::string kernel, stage_kernel;
       bool pdl = false;  // whether bind() chains the launches on this device (m = 0)
       for (int m = 0; m < 8; ++m) {
@@ -625,6 +654,48 @@ int main(int argc, char** argv) {
           d[i] = bf16_to_float(outs[5][i]);
         }
         vs_decode = relative_error(a, d);
+      }
+      // The grouped kernel forced, per token tile; the first tile also routed (CSF).
+      struct GroupedRun {
+        std::uint32_t tile = 0;
+        float us = 0;
+        double vs_decode = -1;
+      };
+      std::vector<GroupedRun> grouped;
+      bool grouped_same = true;
+      float grouped_routed_us = 0;
+      if (T >= args.grouped_from) {
+        for (std::size_t gi = 0; gi < args.grouped_tiles.size(); ++gi) {
+          for (int routed = 0; routed < (gi == 0 ? 2 : 1); ++routed) {
+            MoeBindOptions opt;
+            opt.force_mode = routed ? MoeScaleMode::routed : MoeScaleMode::native;
+            opt.grouped_min_tokens = 1;
+            opt.grouped_token_tile = args.grouped_tiles[gi];
+            const BoundMoe b = bind(routed ? *layer.wc : *layer.wn, st, max_t, {ws, ws_bytes}, false, opt);
+            if (b.kernel_for(T) != MoeKernel::grouped) break;  // not on this device or shape
+            const float t_us = time_binding(b, 8);
+            std::vector<std::uint16_t> o(h.size());
+            ck(cudaMemcpy(o.data(), out, h.size() * 2, cudaMemcpyDeviceToHost), "out");
+            if (routed) {
+              grouped_routed_us = t_us;
+              grouped_same = grouped_same && o == outs[8];
+              continue;
+            }
+            GroupedRun r;
+            r.tile = b.call_plan(T).token_tile;
+            r.us = t_us;
+            if (!outs[5].empty()) {
+              std::vector<float> a(h.size()), d(h.size());
+              for (std::size_t i = 0; i < a.size(); ++i) {
+                a[i] = bf16_to_float(o[i]);
+                d[i] = bf16_to_float(outs[5][i]);
+              }
+              r.vs_decode = relative_error(a, d);
+            }
+            if (gi == 0) outs[8] = o;
+            grouped.push_back(r);
+          }
+        }
       }
       float peer_us = 0;
       if (peer) {
@@ -678,6 +749,23 @@ int main(int argc, char** argv) {
         if (vs_decode >= 0) std::printf("; relative difference to the decode kernel %.2e", vs_decode);
         std::printf("\n");
       }
+      for (const GroupedRun& r : grouped)
+        std::printf("%6s grouped tile %3u: %.1f us = %.1f%% of roofline, %.1f TFLOP/s, x%.2f vs the bound kernel; "
+                    "rel. diff to decode %.2e\n",
+                    "", r.tile, r.us, 100.0 * roof_native / r.us, flops / (r.us * 1e-6) / 1e12, us[0] / r.us,
+                    r.vs_decode);
+      if (!grouped.empty())
+        std::printf("%6s grouped routed (CSF): %.1f us%s\n", "", grouped_routed_us,
+                    grouped_same ? ", bitwise equal to native" : "  GROUPED MODES DIFFER");
+      if (json)
+        for (const GroupedRun& r : grouped)
+          std::fprintf(json,
+                       "{\"bench\":\"moe_grouped\",\"shape\":\"%s\",\"format\":\"%s\",\"T\":%u,\"tile\":%u,"
+                       "\"us\":%.2f,\"roof_native_us\":%.2f,\"flops\":%.4g,\"bound_kernel\":\"%s\","
+                       "\"bound_us\":%.2f,\"routed_us\":%.2f,\"modes_identical\":%s,\"rel_diff_decode\":%.3g}\n",
+                       shape.name.c_str(), std::string(to_string(args.format)).c_str(), T, r.tile, r.us,
+                       roof_native, flops, kernel.c_str(), us[0], grouped_routed_us, grouped_same ? "true" : "false",
+                       r.vs_decode);
       if (json)
         std::fprintf(json,
                      "{\"bench\":\"moe_layer\",\"shape\":\"%s\",\"format\":\"%s\",\"T\":%u,\"experts\":%.2f,"

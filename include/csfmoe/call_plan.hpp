@@ -14,11 +14,13 @@ namespace csfmoe {
 
 // The GEMM kernels a call can run on: the weight-streaming decode kernel
 // (tokens are the MMA's narrow side; best while experts see few tokens), the
-// Hopper prefill kernel (wgmma; large calls on sm_90), or the tiled kernel
-// (64 x 64 tiles; any shape and device). All give results within the same
-// error bound; each is deterministic, and all scale modes one kernel runs
-// give identical bits.
-enum class MoeKernel { decode, tiled, prefill };
+// Hopper prefill kernel (wgmma; large calls on sm_90), the Hopper grouped
+// kernel (persistent, warp-specialized TMA + wgmma with token tiles sized by
+// the routed rows per expert; mid-range and large calls on sm_90), or the
+// tiled kernel (64 x 64 tiles; any shape and device). All give results
+// within the same error bound; each is deterministic, and all scale modes
+// one kernel runs give identical bits.
+enum class MoeKernel { decode, tiled, prefill, grouped };
 const char* to_string(MoeKernel k);
 
 // Explicit block shape of the decode kernel (benchmarks, tests); -1 = auto
@@ -60,6 +62,15 @@ struct MoeBindOptions {
   // never uses it. 0 (the default): T * top_k >= 16 * E, 16 rows per expert
   // on average (docs/moe-api.md).
   std::uint32_t prefill_min_tokens = 0;
+  // Calls with T >= grouped_min_tokens run the grouped kernel where it
+  // applies (as the prefill kernel: sm_90, H a multiple of 256 and N of 128,
+  // dense scales); it takes precedence over the prefill and decode kernels.
+  // 0xFFFFFFFF never uses it; 0: the measured default (docs/moe-api.md).
+  std::uint32_t grouped_min_tokens = 0xFFFFFFFFu;
+  // The grouped kernel's token tile (routed rows per tile, the MMA's N):
+  // 16, 32, 64 or 128; 0 (the default) picks the smallest tile that holds
+  // the mean routed rows per expert, T * k / E.
+  std::uint32_t grouped_token_tile = 0;
   // On sm_90 and newer, launch the layer's kernels as programmatic dependents
   // of the one before (PDL): each may start while the previous one drains,
   // and the down GEMM streams its first weights before gate/up has finished.
@@ -79,6 +90,8 @@ struct MoeDeviceCaps {
   // The prefill kernels run here (sm_90, their shared memory fits) and are
   // configured (bind does so only when the binding can reach prefill_min_tokens).
   bool prefill_kernels = false;
+  // Likewise the grouped kernels (grouped_min_tokens).
+  bool grouped_kernels = false;
 };
 
 // Block shape of one decode-kernel GEMM launch.
@@ -95,6 +108,9 @@ struct MoeCallPlan {
   // Decode kernel: tokens per pass over a tile's rows (8, 16 or 32); 0 for
   // the other kernels.
   std::uint32_t token_pass = 0;
+  // Grouped kernel: routed rows per token tile (16, 32, 64 or 128); 0 for
+  // the other kernels.
+  std::uint32_t token_tile = 0;
   MoeDecodeShape gate_up, down;  // decode kernel only
   bool programmatic_launch = false;
 };
@@ -104,12 +120,15 @@ struct MoeCallPlan {
 // docs/moe-api.md):
 //   mode: force_mode, else native (compression none), else expanded
 //     (scales_expanded), else stage_read for T <= stage_read_max_tokens unless
-//     the call runs the prefill kernel and the layer has a scratch, else routed.
-//   kernel: prefill where the device and shape allow it, T >= the prefill
-//     threshold and the mode is not stage_read; else decode where the shape
-//     and shared memory allow it and T <= decode_max_tokens; else tiled.
+//     the call runs the grouped or prefill kernel and the layer has a
+//     scratch, else routed.
+//   kernel: grouped where the device and shape allow it, T >=
+//     grouped_min_tokens and the mode is not stage_read; else prefill
+//     likewise from the prefill threshold; else decode where the shape and
+//     shared memory allow it and T <= decode_max_tokens; else tiled.
+//   token tile (grouped): grouped_token_tile, else the smallest class >= T * k / E.
 //   token pass: 8 while T <= 32 or T * k <= 4 * E, 16 while T <= 512, else 32.
-// Throws InvalidArgument for invalid options.tuning.
+// Throws InvalidArgument for invalid options.tuning or grouped_token_tile.
 MoeCallPlan plan_call(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint32_t tokens,
                       bool scales_expanded, bool has_scratch, const MoeBindOptions& options);
 

@@ -10,7 +10,17 @@
 namespace csfmoe {
 
 const char* to_string(MoeKernel k) {
-  return k == MoeKernel::decode ? "decode" : k == MoeKernel::prefill ? "prefill" : "tiled";
+  switch (k) {
+    case MoeKernel::decode:
+      return "decode";
+    case MoeKernel::prefill:
+      return "prefill";
+    case MoeKernel::grouped:
+      return "grouped";
+    case MoeKernel::tiled:
+      break;
+  }
+  return "tiled";
 }
 
 namespace {
@@ -43,6 +53,10 @@ std::uint32_t prefill_threshold(const MoeBindOptions& o, const MoeLayerGeometry&
   if (o.prefill_min_tokens != 0) return o.prefill_min_tokens;
   const std::uint64_t rows = 16ull * g.experts;
   return std::uint32_t(std::max<std::uint64_t>(1, (rows + g.topk - 1) / g.topk));
+}
+
+std::uint32_t grouped_threshold(const MoeBindOptions& o) {
+  return o.grouped_min_tokens == 0 ? kGroupedDefaultMinTokens : o.grouped_min_tokens;
 }
 
 bool decode_possible(const MoePlan& plan, const MoeDeviceCaps& caps, const MoeBindOptions& options) {
@@ -91,8 +105,15 @@ MoeCallPlan plan_call(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint3
   using namespace moe_detail;
   validate(o.tuning);
   const MoeLayerGeometry& g = plan.geometry;
+  if (o.grouped_token_tile != 0 && !grouped_token_tile_valid(o.grouped_token_tile))
+    throw InvalidArgument(fmt::format("MoeBindOptions.grouped_token_tile is {}: allowed 0 (auto), 16, 32, 64 or 128",
+                                      o.grouped_token_tile));
+  const bool grouped_ok = caps.grouped_kernels && grouped_shape_ok(g.hidden, g.intermediate);
+  const bool grouped_size = tokens >= grouped_threshold(o);
   const bool prefill_ok = caps.prefill_kernels && prefill_shape_ok(g.hidden, g.intermediate);
   const bool prefill_size = tokens >= prefill_threshold(o, g);
+  // The kernels that read dense scales only, and so expand routed experts.
+  const bool dense_kernel = (grouped_ok && grouped_size) || (prefill_ok && prefill_size);
   MoeCallPlan c;
   c.programmatic_launch = o.programmatic_launch && caps.cc_major >= 9;
   if (o.force_mode) {
@@ -102,11 +123,16 @@ MoeCallPlan plan_call(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint3
   } else if (scales_expanded) {
     c.mode = MoeScaleMode::expanded;
   } else {
-    // Calls the prefill kernel runs expand their routed experts (it reads
-    // dense scales) where the layer has a scratch.
-    const bool prefill = prefill_ok && has_scratch && prefill_size;
-    c.mode = tokens <= plan.constraints.stage_read_max_tokens && !prefill ? MoeScaleMode::stage_read
-                                                                          : MoeScaleMode::routed;
+    // Calls the grouped or prefill kernel runs expand their routed experts
+    // (they read dense scales) where the layer has a scratch.
+    const bool dense = dense_kernel && has_scratch;
+    c.mode = tokens <= plan.constraints.stage_read_max_tokens && !dense ? MoeScaleMode::stage_read
+                                                                        : MoeScaleMode::routed;
+  }
+  if (grouped_ok && grouped_size && c.mode != MoeScaleMode::stage_read) {
+    c.kernel = MoeKernel::grouped;
+    c.token_tile = grouped_token_tile(tokens, g.topk, g.experts, o.grouped_token_tile);
+    return c;
   }
   if (prefill_ok && prefill_size && c.mode != MoeScaleMode::stage_read)
     c.kernel = MoeKernel::prefill;

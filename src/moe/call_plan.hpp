@@ -1,11 +1,13 @@
 // Pieces of the call plan (csfmoe/call_plan.hpp) that the launchers share:
-// which layer shapes each GEMM kernel takes, and the prefill threshold.
+// which layer shapes each GEMM kernel takes, and the prefill and grouped
+// thresholds.
 #pragma once
 
 #include <cstdint>
 
 #include "csfmoe/call_plan.hpp"
 #include "moe/decode_shape.hpp"
+#include "moe/grouped_shape.hpp"
 
 namespace csfmoe::moe_detail {
 
@@ -20,6 +22,11 @@ constexpr bool prefill_shape_ok(std::uint32_t hidden, std::uint32_t intermediate
 // The smallest T that runs the prefill kernel: the option, or 16 routed rows
 // per expert on average (T * k >= 16 * E).
 std::uint32_t prefill_threshold(const MoeBindOptions& options, const MoeLayerGeometry& geometry);
+
+// The smallest T that runs the grouped kernel: the option, or with 0 the
+// measured default kGroupedDefaultMinTokens.
+constexpr std::uint32_t kGroupedDefaultMinTokens = 0xFFFFFFFFu;
+std::uint32_t grouped_threshold(const MoeBindOptions& options);
 
 // Whether the layer's calls may run the decode kernel on the device: the
 // option allows it, K of both GEMMs is whole K blocks, and the widest block

@@ -16,6 +16,7 @@
 #include "csfmoe/moe.hpp"
 #include "csfmoe/moe_cuda.hpp"
 #include "cuda/moe/decode_kernel.cuh"
+#include "moe/grouped_shape.hpp"
 #include "moe/stage_read_index.hpp"
 #include "test_seed.hpp"
 
@@ -225,8 +226,10 @@ bool prefill_fits(const MoeLayerGeometry& g) {
 
 // The kernel a call asking for `kernel` runs on (the others' fallbacks).
 MoeKernel expected_kernel(const MoeLayerGeometry& g, MoeScaleMode mode, MoeKernel kernel) {
-  if (kernel == MoeKernel::prefill && prefill_fits(g) && mode != MoeScaleMode::stage_read)
-    return MoeKernel::prefill;
+  // The grouped kernel takes the prefill kernel's shapes and scale modes.
+  if ((kernel == MoeKernel::prefill || kernel == MoeKernel::grouped) && prefill_fits(g) &&
+      mode != MoeScaleMode::stage_read)
+    return kernel;
   return kernel != MoeKernel::tiled && decode_fits(g) ? MoeKernel::decode : MoeKernel::tiled;
 }
 
@@ -251,14 +254,17 @@ MoeBindOptions options_for(MoeScaleMode mode, MoeKernel kernel) {
   opt.force_mode = mode;
   opt.decode_max_tokens = kernel == MoeKernel::tiled ? 0u : 0xFFFFFFFFu;
   opt.prefill_min_tokens = kernel == MoeKernel::prefill ? 1u : 0xFFFFFFFFu;
+  opt.grouped_min_tokens = kernel == MoeKernel::grouped ? 1u : 0xFFFFFFFFu;
   return opt;
 }
 
 std::vector<std::uint16_t> run_mode(const Layer& l, MoeScaleMode mode, const Inputs& in, Call& call,
-                                    cudaStream_t s = nullptr, MoeKernel kernel = MoeKernel::decode) {
+                                    cudaStream_t s = nullptr, MoeKernel kernel = MoeKernel::decode,
+                                    std::uint32_t token_tile = 0) {
   const MoeWeights& w = l.weights_for(mode);
-  const BoundMoe b = bind(w, s, call.max_tokens, call.workspace(), mode == MoeScaleMode::expanded,
-                          options_for(mode, kernel));
+  MoeBindOptions opt = options_for(mode, kernel);
+  opt.grouped_token_tile = token_tile;
+  const BoundMoe b = bind(w, s, call.max_tokens, call.workspace(), mode == MoeScaleMode::expanded, opt);
   EXPECT_EQ(b.mode_for(in.tokens), mode);
   EXPECT_EQ(b.kernel_for(in.tokens), expected_kernel(l.host.geometry, mode, kernel));
   if (mode == MoeScaleMode::expanded) {
@@ -280,16 +286,17 @@ constexpr MoeScaleMode kModes[] = {MoeScaleMode::native, MoeScaleMode::expanded,
                                    MoeScaleMode::stage_read};
 
 // All modes of every kernel against the reference, and bitwise against each
-// other within a kernel (the prefill kernel runs the dense-scale modes; its
-// stage-read calls run on the decode kernel, checked there).
+// other within a kernel (the prefill and grouped kernels run the dense-scale
+// modes; their stage-read calls run on the decode kernel, checked there).
 void check_all_modes(const Layer& l, const Inputs& in, Call& call, const std::string& what) {
   const std::vector<float> ref = reference(l, in);
-  for (MoeKernel kernel : {MoeKernel::decode, MoeKernel::tiled, MoeKernel::prefill}) {
+  for (MoeKernel kernel : {MoeKernel::decode, MoeKernel::tiled, MoeKernel::prefill, MoeKernel::grouped}) {
+    const bool wgmma = kernel == MoeKernel::prefill || kernel == MoeKernel::grouped;
     if (kernel == MoeKernel::decode && !decode_fits(l.host.geometry)) continue;
-    if (kernel == MoeKernel::prefill && !prefill_fits(l.host.geometry)) continue;
+    if (wgmma && !prefill_fits(l.host.geometry)) continue;
     std::vector<std::uint16_t> first;
     for (MoeScaleMode m : kModes) {
-      if (kernel == MoeKernel::prefill && m == MoeScaleMode::stage_read) continue;
+      if (wgmma && m == MoeScaleMode::stage_read) continue;
       SCOPED_TRACE(what + " kernel " + to_string(kernel) + " mode " + std::string(to_string(m)));
       if (m == MoeScaleMode::routed) {
         // Routed expansion only touches routed experts: poison the rest.
@@ -432,6 +439,56 @@ TEST_F(GpuMoe, AllTokensToOneExpertAndDuplicateIds) {
       const std::int64_t e = std::int64_t(rng() % g.experts);
       for (auto& id : in.ids) id = e;  // every slot of every token: duplicates, one expert
       check_all_modes(l, in, call, "one expert T=" + std::to_string(T) + " k=" + std::to_string(g.topk));
+    }
+  }
+}
+
+// The grouped kernel at every token tile against the reference and bitwise
+// across its scale modes: odd K-block counts (N = 384: 3 per down item),
+// several row blocks per expert, uniform routing and routing where most
+// slots go to one expert (many tiles of one expert, most others empty),
+// calls with fewer and with many more work items than SMs.
+TEST_F(GpuMoe, GroupedKernelEveryTokenTileUniformAndSkewedRouting) {
+  if (!sm90()) GTEST_SKIP() << "the grouped kernel needs sm_90";
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g{8, 512, 384, 4, GateUpOrder::w31};
+  for (ScaleFormat f : {ScaleFormat::nvfp4, ScaleFormat::mxfp4}) {
+    Layer l(f, g, seed + 3, 2048);
+    Call call(l.plan_csf, 2048);
+    const std::vector<std::uint32_t> sizes =
+        small_run() ? std::vector<std::uint32_t>{5, 300} : std::vector<std::uint32_t>{1, 37, 300, 2048};
+    for (std::uint32_t T : sizes) {
+      for (int skew = 0; skew < 2; ++skew) {
+        Inputs in = random_inputs(rng, T, g);
+        if (skew) {
+          const std::int64_t hot = std::int64_t(rng() % g.experts);
+          for (std::size_t i = 0; i < in.ids.size(); i += g.topk)
+            if (rng() % 5 != 0) in.ids[i] = hot;  // the first choice of 80 % of the tokens
+          for (std::size_t i = 0; i < in.ids.size(); i += g.topk)  // keep each token's ids distinct
+            for (std::uint32_t j = 1; j < g.topk; ++j)
+              if (in.ids[i + j] == in.ids[i]) in.ids[i + j] = (in.ids[i] + j) % g.experts;
+        }
+        const std::vector<float> ref = reference(l, in);
+        for (int nt : moe_detail::kGroupedTokenTiles) {
+          std::vector<std::uint16_t> first;
+          for (MoeScaleMode m : {MoeScaleMode::native, MoeScaleMode::expanded, MoeScaleMode::routed}) {
+            SCOPED_TRACE(std::string(to_string(f)) + " T=" + std::to_string(T) + " skew=" + std::to_string(skew) +
+                         " tile=" + std::to_string(nt) + " mode " + std::string(to_string(m)));
+            if (m == MoeScaleMode::routed) {
+              check(cudaMemset(l.scratch13.p, 0xFF, l.scratch13.n), "scratch poison");
+              check(cudaMemset(l.scratch2.p, 0xFF, l.scratch2.n), "scratch poison");
+            }
+            const auto out = run_mode(l, m, in, call, nullptr, MoeKernel::grouped, std::uint32_t(nt));
+            const double err = relative_error(to_float(out), ref);
+            EXPECT_LT(err, 1e-2) << "relative error " << err;
+            if (first.empty())
+              first = out;
+            else
+              EXPECT_TRUE(out == first) << "differs bitwise from native";
+          }
+        }
+      }
     }
   }
 }

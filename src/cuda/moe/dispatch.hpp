@@ -1,6 +1,6 @@
 // Runtime value -> template argument, one helper per axis of the MoE GEMM
 // kernels (scale format, scale kind, projection, decode token pass, decode
-// ring copy), each driven by one list. The launchers (tiled_launch.cu,
+// ring copy, grouped token tile), each driven by one list. The launchers (tiled_launch.cu,
 // decode_launch.cu, prefill_launch.cu) dispatch and configure their
 // instantiations through these, so adding a value to a list instantiates and
 // dispatches it everywhere:
@@ -15,6 +15,7 @@
 #include "csfmoe/errors.hpp"
 #include "cuda/moe/launchers.hpp"
 #include "moe/decode_shape.hpp"
+#include "moe/grouped_shape.hpp"
 
 namespace csfmoe::moe_detail {
 
@@ -58,6 +59,9 @@ using Projections = ValueList<false, true>;  // gate_up
 using DecodeTokenPasses =
     decltype(dispatch_detail::list_of<kDecodeTokenPasses>(std::make_index_sequence<kDecodeTokenPassCount>{}));
 using DecodeRingCopies = ValueList<1, 2>;  // K blocks per ring copy
+// Token tiles of the grouped kernel (kGroupedTokenTiles).
+using GroupedTokenTiles =
+    decltype(dispatch_detail::list_of<kGroupedTokenTiles>(std::make_index_sequence<kGroupedTokenTileCount>{}));
 
 static_assert(DecodeTokenPasses::size == 3 && int(GemmPath::decode_32) - int(GemmPath::decode_8) == 2,
               "one decode GemmPath per token pass");
@@ -94,6 +98,12 @@ template <class Fn>
 void dispatch_ring_copy(std::uint32_t kblocks_per_copy, Fn&& fn) {
   if (!dispatch_value(DecodeRingCopies{}, int(kblocks_per_copy), fn))
     dispatch_detail::no_instance("K blocks per ring copy", kblocks_per_copy);
+}
+
+template <class Fn>
+void dispatch_token_tile(std::uint32_t token_tile, Fn&& fn) {
+  if (!dispatch_value(GroupedTokenTiles{}, int(token_tile), fn))
+    dispatch_detail::no_instance("grouped token tile", token_tile);
 }
 
 }  // namespace csfmoe::moe_detail

@@ -20,11 +20,14 @@ constexpr int kTileK = 64;  // K slice
 constexpr int kGemmThreads = 128;
 constexpr int kRouteThreads = 1024;
 
-// Token permutation written by the routing kernel.
+// Token permutation written by the routing kernel, in tiles of `tile_rows`
+// sorted rows (kTileM for the decode, tiled and prefill kernels, the call's
+// token tile for the grouped kernel).
 struct Routing {
   int* header = nullptr;       // [0] tiles in use, [1] ids outside [0, E)
-  int* tile_expert = nullptr;  // [max_tiles] expert of each tile of kTileM sorted rows
-  int* sorted_slot = nullptr;  // [max_tiles * kTileM] slot t*k+j per sorted row, -1 = padding
+  int* tile_expert = nullptr;  // [routed_tiles] expert of each tile
+  int* sorted_slot = nullptr;  // [routed_tiles * tile_rows] slot t*k+j per sorted row, -1 = padding
+  std::uint32_t tile_rows = kTileM;
 };
 
 // `chained`: launched as a programmatic dependent of the stream's previous
@@ -83,7 +86,8 @@ struct GemmParams {
 
 // Which GEMM kernel runs a call: the tiled kernel (tiled_kernel.cuh), the
 // weight-streaming decode kernel (decode_kernel.cuh) with token passes of 8, 16
-// or 32, or the Hopper wgmma prefill kernel (prefill_kernel.cuh).
+// or 32, the Hopper wgmma prefill kernel (prefill_kernel.cuh) or the grouped
+// one (grouped_kernel.cuh, launched through launch_grouped).
 enum class GemmPath : int { tiled = 0, decode_8 = 1, decode_16 = 2, decode_32 = 3, prefill = 4 };
 
 void launch_gate_up(ScaleFormat f, GemmPath path, const GemmParams& p, cudaStream_t stream);
@@ -106,6 +110,17 @@ bool configure_prefill_kernels(int device);
 void launch_prefill_permute(const std::uint16_t* in, std::uint16_t* out, std::uint32_t rows, std::uint32_t k,
                             bool chained, cudaStream_t stream);
 void launch_prefill(ScaleFormat f, bool gate_up, const GemmParams& p, cudaStream_t stream);
+
+// Grouped kernels: H a multiple of 256 and N of 128, dense scales only, on
+// sm_90 with a driver that encodes tensor maps. configure_grouped_kernels
+// returns whether the device runs them (and lets them use their shared
+// memory there). They read the prefill kernel's K-permuted activations; the
+// routing must be in tiles of `token_tile` rows, act is indexed by slot
+// (t * k + j) and gate/up writes it K-permuted for down. The grid is one
+// persistent CTA per SM (p.sm_count).
+bool configure_grouped_kernels(int device);
+void launch_grouped(ScaleFormat f, bool gate_up, std::uint32_t token_tile, std::uint32_t experts,
+                    const GemmParams& p, cudaStream_t stream);
 
 struct CombineParams {
   const float* slot_out = nullptr;

@@ -42,18 +42,27 @@ void check_pointer(const void* p, const char* name, int device, std::size_t alig
 }
 
 // Workspace layout of a binding for max_tokens (offsets 256-byte aligned).
+// The routing tables hold the routing of any tile size a call may use (the
+// kTileM tiles of the decode, tiled and prefill kernels, the grouped
+// kernel's token tiles); act holds the padded rows of kTileM tiles, which
+// also covers the grouped kernel's one row per slot.
 struct Layout {
   std::uint64_t header = 0, tile_expert = 0, sorted_slot = 0, act = 0, slot_out = 0, total = 0;
 };
 Layout layout_of(const MoePlan& plan, std::uint32_t max_tokens) {
+  using moe_detail::routed_tiles;
   const auto up = [](std::uint64_t x) { return round_up(x, 256); };
+  const std::uint32_t E = plan.geometry.experts;
   const std::uint64_t slots = std::uint64_t{max_tokens} * plan.geometry.topk;
-  const std::uint64_t tiles = moe_detail::max_tiles(slots, plan.geometry.experts);
+  const std::uint64_t tiles = moe_detail::max_tiles(slots, E);
+  const std::uint64_t table_tiles = std::max(tiles, routed_tiles(slots, E, moe_detail::kGroupedMinTile));
+  const std::uint64_t table_rows =
+      std::max(tiles * kTileM, routed_tiles(slots, E, moe_detail::kGroupedMaxTile) * moe_detail::kGroupedMaxTile);
   Layout l;
   l.header = 0;
   l.tile_expert = up(l.header + 16);
-  l.sorted_slot = up(l.tile_expert + tiles * 4);
-  l.act = up(l.sorted_slot + tiles * kTileM * 4);
+  l.sorted_slot = up(l.tile_expert + table_tiles * 4);
+  l.act = up(l.sorted_slot + table_rows * 4);
   l.slot_out = up(l.act + tiles * kTileM * plan.geometry.intermediate * 2);
   l.total = up(l.slot_out + slots * plan.geometry.hidden * 4);
   return l;
@@ -300,6 +309,9 @@ BoundMoe bind(const MoeWeights& w, cudaStream_t stream, std::uint32_t max_tokens
   if (moe_detail::prefill_threshold(options, g) <= max_tokens &&
       moe_detail::prefill_shape_ok(g.hidden, g.intermediate))
     b.caps_.prefill_kernels = moe_detail::configure_prefill_kernels(dev);
+  if (moe_detail::grouped_threshold(options) <= max_tokens &&
+      moe_detail::grouped_shape_ok(g.hidden, g.intermediate))
+    b.caps_.grouped_kernels = moe_detail::configure_grouped_kernels(dev);
   b.weights_ = &w;
   b.stream_ = stream;
   b.max_tokens_ = max_tokens;
@@ -354,6 +366,8 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   auto* act = reinterpret_cast<std::uint16_t*>(base + l.act);
   auto* slot_out = reinterpret_cast<float*>(base + l.slot_out);
   const std::uint32_t slots = tokens * g.topk;
+  const bool grouped = plan.kernel == MoeKernel::grouped;
+  if (grouped) r.tile_rows = plan.token_tile;
   const std::uint64_t tiles = moe_detail::max_tiles(slots, g.experts);
 
   moe_detail::launch_routing(topk_ids, id_type, slots, g.experts, r, plan.programmatic_launch, b.stream_);
@@ -407,16 +421,20 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
                         : plan.token_pass == 16             ? GemmPath::decode_16
                                                             : GemmPath::decode_32;
   gp.decode = plan.gate_up;
-  if (path == GemmPath::prefill) {
-    // The prefill kernel reads K-permuted activations. slot_out is written
+  if (grouped || path == GemmPath::prefill) {
+    // The wgmma kernels read K-permuted activations. slot_out is written
     // only by the down GEMM, after gate/up has read this copy.
     auto* permuted = reinterpret_cast<std::uint16_t*>(slot_out);
     moe_detail::launch_prefill_permute(static_cast<const std::uint16_t*>(hidden), permuted, tokens, g.hidden,
                                        plan.programmatic_launch, b.stream_);
     gp.a = permuted;
   }
-  moe_detail::launch_gate_up(p.format, path, gp, b.stream_);
+  if (grouped)
+    moe_detail::launch_grouped(p.format, true, plan.token_tile, g.experts, gp, b.stream_);
+  else
+    moe_detail::launch_gate_up(p.format, path, gp, b.stream_);
 
+  // Down reads act: per sorted row, or per slot (grouped).
   moe_detail::GemmParams dp = gp;
   dp.a = act;
   dp.w = w.source().w2;
@@ -427,7 +445,10 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   dp.act = nullptr;
   dp.slot_out = slot_out;
   dp.decode = plan.down;
-  moe_detail::launch_down(p.format, path, dp, b.stream_);
+  if (grouped)
+    moe_detail::launch_grouped(p.format, false, plan.token_tile, g.experts, dp, b.stream_);
+  else
+    moe_detail::launch_down(p.format, path, dp, b.stream_);
 
   moe_detail::CombineParams cp;
   cp.slot_out = slot_out;

@@ -1,6 +1,6 @@
 // Token permutation per expert: one block sorts the call's T*k slots by
 // expert (stable: slot order inside an expert), pads every expert to whole
-// tiles of kTileM rows and writes the tile -> expert map. No host sync, no
+// tiles of r.tile_rows rows and writes the tile -> expert map. No host sync, no
 // allocation, deterministic (the only atomics count, and counts commute).
 #include <cub/block/block_scan.cuh>
 
@@ -38,19 +38,20 @@ __global__ void __launch_bounds__(kRouteThreads)
     // Tile-padded expert offsets: one block-wide scan (E <= kRouteThreads).
     using Scan = cub::BlockScan<int, kRouteThreads>;
     __shared__ typename Scan::TempStorage scan_storage;
-    const int padded = tid < int(experts) ? (count[tid] + kTileM - 1) / kTileM * kTileM : 0;
+    const int tile = int(r.tile_rows);
+    const int padded = tid < int(experts) ? (count[tid] + tile - 1) / tile * tile : 0;
     int start = 0, run = 0;
     Scan(scan_storage).ExclusiveSum(padded, start, run);
     if (tid < int(experts)) offset[tid] = start;
     if (tid == 0) {
       offset[experts] = run;
-      r.header[0] = run / kTileM;
+      r.header[0] = run / tile;
       r.header[1] = invalid;
     }
   }
   __syncthreads();
   for (int e = tid; e < int(experts); e += blockDim.x) {
-    for (int t = offset[e] / kTileM; t < offset[e + 1] / kTileM; ++t) r.tile_expert[t] = e;
+    for (int t = offset[e] / int(r.tile_rows); t < offset[e + 1] / int(r.tile_rows); ++t) r.tile_expert[t] = e;
     for (int p = offset[e] + count[e]; p < offset[e + 1]; ++p) r.sorted_slot[p] = -1;
   }
   // Stable scatter: warps take turns so that every slot's rank is the number

@@ -1,0 +1,260 @@
+// Grouped W4A16 GEMM for mid-range and prefill calls on Hopper: persistent,
+// warp-specialized, TMA + wgmma, token tiles sized by the routed rows per
+// expert (src/moe/grouped_shape.hpp).
+//
+//  * Roles. Warpgroup 0 produces (setmaxnreg.dec): one thread streams the
+//    item's FP4 weight rows into a ring of stages with 2-D TMA copies (two
+//    boxes of 128 rows x 64 bytes per 128-wide K block), all 128 gather the
+//    tile's activation rows with cp.async into the 128-byte-swizzled layout
+//    wgmma reads (padding rows are zero-filled) and arrive on the stage's
+//    full barrier when their copies land. Warpgroups 1 and 2 consume
+//    (setmaxnreg.inc): 128 weight rows each, as the A operand from registers.
+//  * Overlap. Each k32 step (two k16 wgmmas) converts its A fragment into
+//    its own register buffer, issues, commits and waits until at most
+//    kGroupedDepth groups are in flight, so the conversion of the next
+//    fragment runs while the tensor cores work on the previous ones. A stage
+//    is handed back (empty barrier, one arrival per consumer warp) as soon
+//    as its last wgmma has retired; the main loop has no CTA barrier.
+//  * Persistence. Every CTA walks the work list (grouped_item) with a fixed
+//    stride; producer and consumers walk it alike, so the producer streams
+//    the next item's weights while the consumers run the epilogue.
+//  * Operand order and scales as the prefill kernel (prefill_kernel.cuh):
+//    activations K-permuted in global memory (prefill_k_source), the decode
+//    kernel's E2M1 conversion and LaneScales, whose words each consumer
+//    thread loads itself two K blocks ahead.
+//  * Epilogues. gate/up: SiLU(gate) * up to bf16, written per routed slot in
+//    the down projection's K order; down: FP32 per slot for the combine.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/moe/decode_kernel.cuh"
+#include "cuda/moe/dequant.cuh"
+#include "cuda/moe/epilogue.cuh"
+#include "cuda/primitives/mbarrier.cuh"
+#include "cuda/primitives/ptx.cuh"
+#include "cuda/primitives/wgmma.cuh"
+#include "moe/grouped_shape.hpp"
+
+namespace csfmoe::moe_detail {
+
+// wgmma groups (k32 steps) a consumer keeps in flight while converting the
+// next fragment; its fragment buffers (kGroupedDepth + 1) divide the 8 steps
+// of a K block, so every buffer index is a compile-time constant.
+constexpr int kGroupedDepth = 1;
+constexpr int kGroupedProducerRegs = 40, kGroupedConsumerRegs = 232;
+static_assert(8 % (kGroupedDepth + 1) == 0, "fragment buffers divide the steps of a K block");
+static_assert(128 * kGroupedProducerRegs + 256 * kGroupedConsumerRegs <= 65536, "register file");
+
+// Source element offset of a padding row: its copy is zero-filled.
+constexpr std::uint32_t kGroupedNoRow = 0xFFFFFFFFu;
+
+using decode_bits::prefill_permuted_column;
+
+template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
+__global__ void __launch_bounds__(kGroupedThreads, 1)
+    moe_grouped_kernel(const __grid_constant__ CUtensorMap wmap, GemmParams p) {
+  static_assert(K != ScaleKind::csf, "stage-read CSF calls run on the decode kernel");
+  static_assert(NT % 16 == 0 && NT >= 16 && NT <= 128, "token tile classes: grouped_shape.hpp");
+  using namespace decode;
+  using namespace ptx;
+  constexpr GroupedSmem kSmem = grouped_smem(NT);
+  constexpr std::uint32_t kStages = kSmem.stages;
+  constexpr std::uint32_t kHalfBytes = NT * 128;  // one 64-K half of the activation tile
+  extern __shared__ unsigned char smem_raw[];
+
+  const std::uint32_t raw_addr = smem_u32(smem_raw);
+  unsigned char* smem = smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
+  auto* full = reinterpret_cast<std::uint64_t*>(smem + kSmem.barriers);
+  std::uint64_t* empty = full + kStages;
+  auto* tables = reinterpret_cast<std::uint32_t*>(smem + kSmem.tables);  // [2][NT]
+
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (std::uint32_t s = 0; s < kStages; ++s) {
+      mbarrier_init(&full[s], 128 + 1);  // producer copies (noinc) + the TMA thread's expect_tx
+      mbarrier_init(&empty[s], 8);       // one arrival per consumer warp
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  grid_dependency_wait();  // routing, permuted activations / act come from the kernels before
+  allow_dependent_launch();
+  const std::uint32_t tiles = std::uint32_t(p.header[0]);
+  const std::uint32_t row_blocks = (GateUp ? p.n : p.out_rows) / grouped_outputs_per_item(GateUp);
+  const std::uint32_t items = tiles * row_blocks;
+  const std::uint32_t kblocks = p.k / kGroupedKBlock;
+
+  if (tid < 128) {
+    // ---------------------------------------------------------------- producer
+    setmaxnreg_dec<kGroupedProducerRegs>();
+    // Chunk a of the thread: row first.row + 8a, at first.offset + 8a * 128 (grouped_act_chunk).
+    constexpr GroupedActChunk first = grouped_act_chunk(NT, 0, 0);
+    static_assert(first.row == 0 && first.offset == 0);
+    const GroupedActChunk chunk = grouped_act_chunk(NT, tid, 0);
+    std::uint32_t it = 0, buf = 0;
+    for (std::uint32_t item = blockIdx.x; item < items; item += gridDim.x, buf ^= 1u) {
+      const GroupedItem w = grouped_item(item, tiles);
+      const int e = p.tile_expert[w.tile];
+      std::uint32_t* table = tables + buf * NT;
+      for (int n = tid; n < NT; n += 128) {
+        const int slot = p.sorted_slot[w.tile * NT + n];
+        table[n] = slot < 0 ? kGroupedNoRow : std::uint32_t(GateUp ? slot / int(p.topk) : slot) * p.k;
+      }
+      named_barrier_sync(1, 128);
+      const int y0 = int(std::uint32_t(e) * p.out_rows +
+                         (GateUp ? p.gate_row0 + w.row_block * 128 : w.row_block * kGroupedRows));
+      const int y1 = GateUp ? int(std::uint32_t(e) * p.out_rows + p.up_row0 + w.row_block * 128) : y0 + 128;
+      for (std::uint32_t kb = 0; kb < kblocks; ++kb, ++it) {
+        const std::uint32_t s = it % kStages, phase = (it / kStages) & 1u;
+        mbarrier_wait(&empty[s], phase ^ 1u);
+        unsigned char* stage = smem + s * kSmem.stage_bytes;
+        if (tid == 0) {
+          mbarrier_arrive_expect_tx(&full[s], kGroupedWeightStageBytes);
+          tma_load_2d(stage, &wmap, &full[s], int(kb * 64), y0);
+          tma_load_2d(stage + kGroupedWeightStageBytes / 2, &wmap, &full[s], int(kb * 64), y1);
+        }
+        const std::uint32_t act = smem_u32(stage + kGroupedWeightStageBytes) + chunk.offset;
+        const std::uint32_t col = kb * kGroupedKBlock + chunk.half * 64 + chunk.c8 * 8;
+#pragma unroll
+        for (int a = 0; a < NT / 8; ++a) {
+          const std::uint32_t off = table[chunk.row + 8 * a];
+          const bool real = off != kGroupedNoRow;
+          cp_async16_or_zero(act + std::uint32_t(a) * 8 * 128, p.a + (real ? off : 0u) + col, real);
+        }
+        cp_async_arrive_noinc(&full[s]);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  setmaxnreg_inc<kGroupedConsumerRegs>();
+  const int ct = tid - 128, wg = ct / 128, wi = (ct / 32) % 4, lane = ct % 32, g = lane / 4, t = lane % 4;
+  // The thread's outputs and ring rows (grouped_shape.hpp's fragment map).
+  const auto out_in_item = [&](int mt) { return grouped_out_in_item(GateUp, wg, wi, g, mt); };
+  std::uint32_t ring_row[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) ring_row[c] = grouped_ring_row(GateUp, wg, wi, g, c);
+
+  std::uint32_t it = 0;
+  for (std::uint32_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const GroupedItem w = grouped_item(item, tiles);
+    const int e = p.tile_expert[w.tile];
+    const std::uint32_t first = GateUp ? w.row_block * 128 : w.row_block * kGroupedRows;
+    // Weight rows of the chunks in the expert (gate/up: ring rows 0..127 are gate rows).
+    std::uint32_t rows[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      rows[c] = GateUp ? (c % 2 == 0 ? p.gate_row0 : p.up_row0) + first + out_in_item(c / 2)
+                       : first + ring_row[c];
+    const LaneScales<F, K> lane_scales(p.scales, expert_scales<K>(p.scales, e), rows, t);
+    const auto load_words = [&](std::uint32_t kb) {
+      uint4 v;
+      v.x = __ldg(lane_scales.word(0, kb));
+      v.y = __ldg(lane_scales.word(1, kb));
+      v.z = __ldg(lane_scales.word(2, kb));
+      v.w = __ldg(lane_scales.word(3, kb));
+      return v;
+    };
+
+    float acc[2][NT / 2];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int v = 0; v < NT / 2; ++v) acc[mt][v] = 0.0f;
+
+    std::uint32_t frag[kGroupedDepth + 1][8];
+    const auto release = [&](std::uint32_t s) {
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(&empty[s]);
+    };
+    std::uint32_t prev_stage = 0;
+    // One K block: wait for its stage, convert and issue its 8 k32 steps.
+    const auto k_block = [&](std::uint32_t kb, const uint4& words) {
+      const std::uint32_t s = it % kStages, phase = (it / kStages) & 1u;
+      mbarrier_wait(&full[s], phase);
+      const unsigned char* stage = smem + s * kSmem.stage_bytes;
+      uint4 wq[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        wq[c] = *reinterpret_cast<const uint4*>(stage + ring_row[c] * 64 + std::uint32_t(t) * 16);
+      std::uint32_t sp[4][2];
+      {
+        std::uint32_t u[LaneScales<F, K>::kWords];
+        lane_scales.gather(words, kb, u);
+        scale_pairs<F>(u, sp);
+      }
+      const std::uint32_t act = smem_u32(stage + kGroupedWeightStageBytes);
+#pragma unroll
+      for (int step = 0; step < 8; ++step) {
+        const int wd = step / 2, mt = step % 2;
+        std::uint32_t(&a)[8] = frag[step % (kGroupedDepth + 1)];
+        std::uint32_t lo[4], hi[4];
+        dequant_words<F>((&wq[2 * mt].x)[wd], sp[2 * mt][wd / 2], (&wq[2 * mt + 1].x)[wd], sp[2 * mt + 1][wd / 2],
+                         lo, hi);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a[j] = lo[j], a[4 + j] = hi[j];
+        wgmma_fence();
+        // Logical K 32wd..32wd+31 of the block: half wd / 2 of the tile, 32 bytes per k16.
+        const std::uint32_t b = act + std::uint32_t(wd / 2) * kHalfBytes + std::uint32_t(wd % 2) * 64;
+        wgmma_m64nNk16<NT>(acc[mt], a[0], a[4], a[1], a[5], wgmma_smem_desc_sw128(b));
+        wgmma_m64nNk16<NT>(acc[mt], a[2], a[6], a[3], a[7], wgmma_smem_desc_sw128(b + 32));
+        wgmma_commit();
+        wgmma_wait<kGroupedDepth>();
+        // Every step of the previous K block has retired: its stage is free.
+        if (step == kGroupedDepth - 1 && kb > 0) release(prev_stage);
+      }
+      prev_stage = s;
+      ++it;
+    };
+    uint4 words_even = load_words(0), words_odd = kblocks > 1 ? load_words(1) : uint4{};
+    for (std::uint32_t kb = 0; kb < kblocks; kb += 2) {
+      k_block(kb, words_even);
+      if (kb + 2 < kblocks) words_even = load_words(kb + 2);
+      if (kb + 1 < kblocks) {
+        k_block(kb + 1, words_odd);
+        if (kb + 3 < kblocks) words_odd = load_words(kb + 3);
+      }
+    }
+    wgmma_wait<0>();
+    release(prev_stage);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int v = 0; v < NT / 2; ++v) fence_operand(acc[mt][v]);
+
+    // Epilogue: acc[mt][4j + v] is (row g, token 8j + 2t + v), acc[mt][4j + 2 + v]
+    // (row g + 8, same token) of the warp's m16 tile.
+    const float gs = (p.global ? p.global[e] : 1.0f) * kDecodeUnfold<F>;
+    const int* tile_slots = p.sorted_slot + std::uint64_t(w.tile) * NT;
+#pragma unroll
+    for (int j = 0; j < NT / 8; ++j) {
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const int slot = tile_slots[8 * j + 2 * t + v];
+        if (slot < 0) continue;
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const std::uint32_t o = first + out_in_item(mt);
+          const float r0 = acc[mt][4 * j + v] * gs, r1 = acc[mt][4 * j + 2 + v] * gs;
+          if constexpr (GateUp) {
+            const __nv_bfloat16 y = __float2bfloat16_rn(SiluMul::apply(r0, r1));
+            p.act[std::uint64_t(slot) * p.n + prefill_permuted_column(o)] =
+                *reinterpret_cast<const std::uint16_t*>(&y);
+          } else {
+            float* out = p.slot_out + std::uint64_t(slot) * p.out_rows;
+            out[o] = r0;
+            out[o + 8] = r1;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace csfmoe::moe_detail

@@ -1,0 +1,128 @@
+// Launch shape of the grouped (warp-specialized, persistent) MoE GEMM for
+// mid-range and prefill calls: its token-tile classes, shared-memory layout,
+// work list and the rule that picks a class per call. Host and device agree
+// on them through this header; it needs no CUDA, so the call plan (CPU
+// library) and its tests use it too. The kernel is
+// src/cuda/moe/grouped_kernel.cuh.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace csfmoe::moe_detail {
+
+// Token tiles (routed rows per tile, the wgmma's N) the kernel is
+// instantiated for; dispatch (src/cuda/moe/dispatch.hpp) walks this list.
+inline constexpr int kGroupedTokenTiles[] = {16, 32, 64, 128};
+constexpr int kGroupedTokenTileCount = sizeof(kGroupedTokenTiles) / sizeof(kGroupedTokenTiles[0]);
+constexpr std::uint32_t kGroupedMinTile = 16, kGroupedMaxTile = 128;
+
+constexpr int kGroupedThreads = 384;         // producer warpgroup + two consumer warpgroups
+constexpr std::uint32_t kGroupedRows = 256;  // weight rows per work item (gate/up: 128 gate + 128 up)
+constexpr std::uint32_t kGroupedKBlock = 128;
+constexpr std::uint32_t kGroupedWeightStageBytes = kGroupedRows * kGroupedKBlock / 2;  // [row][64 B]
+constexpr std::uint32_t kGroupedMaxStages = 8;
+// Dynamic shared memory the kernel may use on sm_90 (227 KB opt-in).
+constexpr std::uint32_t kGroupedSmemLimit = 232448;
+
+// Outputs of one work item: gate/up 128 (SiLU(gate) * up of 128 gate and
+// 128 up rows), down 256 rows.
+constexpr std::uint32_t grouped_outputs_per_item(bool gate_up) {
+  return gate_up ? kGroupedRows / 2 : kGroupedRows;
+}
+
+// The layer shapes it takes: gate/up items of 128 outputs over N, down items
+// of 256 rows over H, both K a whole number of 128-wide K blocks.
+constexpr bool grouped_shape_ok(std::uint32_t hidden, std::uint32_t intermediate) {
+  return hidden % kGroupedRows == 0 && intermediate % kGroupedKBlock == 0 && hidden > 0 && intermediate > 0;
+}
+
+// Shared memory of a token tile of `nt` rows: `stages` ring stages of
+// weights (TMA) and the tile's two 64-K halves of activation rows
+// ([nt][128 B], 128-byte swizzle), the full / empty mbarrier pairs, the
+// producer's two row tables and slack to align the ring to 1024 bytes.
+struct GroupedSmem {
+  std::uint32_t act_bytes, stage_bytes, stages, barriers, tables, total;
+};
+constexpr GroupedSmem grouped_smem(std::uint32_t nt) {
+  GroupedSmem s{};
+  s.act_bytes = nt * kGroupedKBlock * 2;
+  s.stage_bytes = kGroupedWeightStageBytes + s.act_bytes;
+  const std::uint32_t fixed = 1024 + 2 * 8 * kGroupedMaxStages + 2 * nt * 4;
+  s.stages = std::min(kGroupedMaxStages, (kGroupedSmemLimit - fixed) / s.stage_bytes);
+  s.barriers = s.stages * s.stage_bytes;  // offset of the barriers from the aligned base
+  s.tables = s.barriers + 2 * 8 * s.stages;
+  s.total = s.tables + 2 * nt * 4 + 1024;
+  return s;
+}
+
+// Upper bound on the tiles of a call routed with tiles of `tile` rows.
+constexpr std::uint64_t routed_tiles(std::uint64_t slots, std::uint32_t experts, std::uint32_t tile) {
+  return (slots + tile - 1) / tile + std::min<std::uint64_t>(slots, experts);
+}
+
+// Work items of one GEMM: (token tile, row block) pairs. The token tile is
+// the fast index, so items that read the same weights (tiles of one expert,
+// same row block) are neighbours and run at the same time on neighbouring
+// SMs, the second reading them from L2. Every CTA walks items blockIdx.x,
+// + gridDim.x, ...: each output tile is computed by one CTA in a fixed K
+// order (deterministic).
+struct GroupedItem {
+  std::uint32_t tile, row_block;
+};
+constexpr GroupedItem grouped_item(std::uint32_t item, std::uint32_t tiles) {
+  return {item % tiles, item / tiles};
+}
+
+// Fragment map of a consumer thread (warpgroup wg 0..1 of the consumers,
+// warp wi 0..3 in it, lane group g = lane / 4): the output (gate/up) or row
+// (down) within the item of its m16 rows in m64 tile mt, and the ring row
+// of its weight chunk c = 2 * mt + h, the A-fragment rows g (h = 0) and
+// g + 8 (h = 1) of that m16 tile. Gate/up pairs the gate row (ring rows
+// 0..127, h = 0) with the up row of the same output (128..255, h = 1), so
+// SiLU(gate) * up forms in registers. Lane t = lane % 4 reads bytes
+// 16t..16t+15 of each ring row (64 bytes per K block).
+constexpr std::uint32_t grouped_out_in_item(bool gate_up, int wg, int wi, int g, int mt) {
+  return std::uint32_t(gate_up ? 64 * wg + 32 * mt + 8 * wi + g : 128 * wg + 64 * mt + 16 * wi + g);
+}
+constexpr std::uint32_t grouped_ring_row(bool gate_up, int wg, int wi, int g, int c) {
+  const int mt = c / 2, h = c % 2;
+  return gate_up ? std::uint32_t(h) * 128 + grouped_out_in_item(true, wg, wi, g, mt)
+                 : grouped_out_in_item(false, wg, wi, g, mt) + 8 * std::uint32_t(h);
+}
+
+// Activation chunk a (0 .. nt / 8 - 1) of producer thread p (0..127) in a
+// stage: 16 bytes of tile row n = p / 16 + 8a, K half p / 8 % 2 (64 K each),
+// 8-element column c8 = p % 8; stored at half * nt * 128 + n * 128 +
+// (c8 ^ n % 8) * 16 bytes (the 128-byte swizzle wgmma's descriptor reads).
+struct GroupedActChunk {
+  std::uint32_t row, half, c8, offset;
+};
+constexpr GroupedActChunk grouped_act_chunk(std::uint32_t nt, int p, int a) {
+  GroupedActChunk c{};
+  c.row = std::uint32_t(p / 16 + 8 * a);
+  c.half = std::uint32_t(p / 8 % 2);
+  c.c8 = std::uint32_t(p % 8);
+  c.offset = c.half * nt * 128 + c.row * 128 + ((c.c8 ^ (c.row % 8)) * 16);
+  return c;
+}
+
+// The token tile of a call: the smallest class at least the mean routed rows
+// per expert R = T * k / E (so that a typical expert fills one tile), capped
+// at the largest class; `requested` (a class, from MoeBindOptions) wins.
+constexpr std::uint32_t grouped_token_tile(std::uint64_t tokens, std::uint32_t topk, std::uint32_t experts,
+                                           std::uint32_t requested) {
+  if (requested != 0) return requested;
+  const std::uint64_t rows = (tokens * topk + experts - 1) / experts;
+  for (const int nt : kGroupedTokenTiles)
+    if (rows <= std::uint64_t(nt)) return std::uint32_t(nt);
+  return kGroupedMaxTile;
+}
+
+constexpr bool grouped_token_tile_valid(std::uint32_t nt) {
+  for (const int v : kGroupedTokenTiles)
+    if (std::uint32_t(v) == nt) return true;
+  return false;
+}
+
+}  // namespace csfmoe::moe_detail

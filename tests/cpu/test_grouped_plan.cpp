@@ -1,0 +1,249 @@
+// The grouped MoE kernel's host side (moe/grouped_shape.hpp, plan_call):
+// token-tile choice, shared-memory layout, routing bounds on uniform and
+// skewed draws, the persistent work list, the consumer fragment map and the
+// producer's activation chunks, restated here from the kernel's contract
+// (src/cuda/moe/grouped_kernel.cuh) and the PTX ISA's wgmma layouts.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "csfmoe/call_plan.hpp"
+#include "csfmoe/errors.hpp"
+#include "moe/call_plan.hpp"
+#include "moe/grouped_shape.hpp"
+#include "test_seed.hpp"
+
+namespace csfmoe {
+namespace {
+
+using namespace moe_detail;
+
+MoeDeviceCaps h200() {
+  MoeDeviceCaps c;
+  c.sm_count = 132;
+  c.smem_per_block_optin = 232448;
+  c.cc_major = 9;
+  c.cc_minor = 0;
+  c.prefill_kernels = true;
+  c.grouped_kernels = true;
+  return c;
+}
+
+MoePlan plan_of(ScaleCompression c, const MoeLayerGeometry& g) {
+  MoeConstraints k;
+  k.compression = c;
+  k.max_tokens = 16384;
+  return plan_weights(ScaleFormat::nvfp4, g, k);
+}
+
+const MoeLayerGeometry kDs3{256, 7168, 2048, 8, GateUpOrder::w13};
+const MoeLayerGeometry kQwen3{128, 2048, 768, 8, GateUpOrder::w13};
+
+TEST(GroupedPlan, TokenTileIsTheSmallestClassHoldingTheMeanRowsPerExpert) {
+  for (const MoeLayerGeometry& g : {kDs3, kQwen3}) {
+    for (std::uint32_t t = 1; t <= 16384; t = t * 3 / 2 + 1) {
+      const double rows = double(t) * g.topk / g.experts;
+      const std::uint32_t nt = grouped_token_tile(t, g.topk, g.experts, 0);
+      SCOPED_TRACE("E=" + std::to_string(g.experts) + " T=" + std::to_string(t));
+      EXPECT_TRUE(grouped_token_tile_valid(nt));
+      if (nt < kGroupedMaxTile) EXPECT_GE(double(nt), rows);
+      if (nt > kGroupedMinTile) EXPECT_LT(double(nt / 2), rows);
+    }
+  }
+  // DeepSeek-V3: R = T / 32.
+  EXPECT_EQ(grouped_token_tile(512, 8, 256, 0), 16u);
+  EXPECT_EQ(grouped_token_tile(513, 8, 256, 0), 32u);
+  EXPECT_EQ(grouped_token_tile(2048, 8, 256, 0), 64u);
+  EXPECT_EQ(grouped_token_tile(8192, 8, 256, 0), 128u);
+  EXPECT_EQ(grouped_token_tile(8192, 8, 256, 32), 32u);  // a requested class wins
+  for (std::uint32_t bad : {1u, 8u, 48u, 256u}) EXPECT_FALSE(grouped_token_tile_valid(bad));
+}
+
+TEST(GroupedPlan, SharedMemoryFitsAndKeepsTheSwizzleAlignment) {
+  for (int nt : kGroupedTokenTiles) {
+    const GroupedSmem s = grouped_smem(std::uint32_t(nt));
+    SCOPED_TRACE("tile " + std::to_string(nt));
+    EXPECT_LE(s.total, kGroupedSmemLimit);
+    EXPECT_GE(s.stages, 4u);  // deep enough to keep HBM busy
+    EXPECT_LE(s.stages, kGroupedMaxStages);
+    EXPECT_EQ(s.stage_bytes % 1024, 0u);            // 128-byte swizzle atoms of every stage
+    EXPECT_EQ(s.act_bytes, std::uint32_t(nt) * 256);  // two 64-K halves of nt rows of 128 bytes
+    EXPECT_EQ(s.barriers, s.stages * s.stage_bytes);
+    EXPECT_EQ(s.barriers % 8, 0u);
+    EXPECT_EQ(s.tables, s.barriers + 16 * s.stages);
+    EXPECT_GE(s.total, s.tables + 2 * std::uint32_t(nt) * 4 + 1023);  // the slack aligns the ring
+    // One more stage would not fit.
+    EXPECT_TRUE(s.stages == kGroupedMaxStages || s.total + s.stage_bytes + 16 > kGroupedSmemLimit);
+  }
+}
+
+// Tiles of one call as the routing kernel makes them: each expert's slots
+// padded to whole tiles of nt rows.
+std::vector<std::uint32_t> tiles_per_expert(const std::vector<std::uint32_t>& count, std::uint32_t nt) {
+  std::vector<std::uint32_t> t(count.size());
+  for (std::size_t e = 0; e < count.size(); ++e) t[e] = (count[e] + nt - 1) / nt;
+  return t;
+}
+
+TEST(GroupedPlan, RoutedTilesBoundHoldsOnUniformAndSkewedDraws) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  for (const MoeLayerGeometry& g : {kDs3, kQwen3}) {
+    for (std::uint32_t t : {1u, 7u, 128u, 300u, 4096u}) {
+      for (int skew = 0; skew < 3; ++skew) {
+        std::vector<std::uint32_t> count(g.experts, 0);
+        const std::uint64_t slots = std::uint64_t(t) * g.topk;
+        for (std::uint64_t s = 0; s < slots; ++s) {
+          std::uint32_t e = std::uint32_t(rng() % g.experts);
+          if (skew == 1 && rng() % 4 != 0) e = 0;  // one hot expert
+          if (skew == 2) e = std::uint32_t(s % g.topk);  // every token on experts 0..k-1
+          count[e]++;
+        }
+        for (int nt : kGroupedTokenTiles) {
+          const auto tiles = tiles_per_expert(count, std::uint32_t(nt));
+          std::uint64_t total = 0, padding = 0;
+          for (std::size_t e = 0; e < tiles.size(); ++e) {
+            total += tiles[e];
+            padding += std::uint64_t(tiles[e]) * nt - count[e];
+            EXPECT_LT(std::uint64_t(tiles[e]) * nt - count[e], std::uint64_t(nt));
+          }
+          SCOPED_TRACE("T=" + std::to_string(t) + " skew=" + std::to_string(skew) + " tile=" + std::to_string(nt));
+          EXPECT_LE(total, routed_tiles(slots, g.experts, std::uint32_t(nt)));
+          EXPECT_EQ(total * nt, slots + padding);
+          // The workspace sizes its tables for the smallest and largest classes.
+          EXPECT_LE(total, routed_tiles(slots, g.experts, kGroupedMinTile));
+          EXPECT_LE(total * nt, routed_tiles(slots, g.experts, kGroupedMaxTile) * kGroupedMaxTile);
+        }
+      }
+    }
+  }
+}
+
+TEST(GroupedPlan, WorkListCoversEveryItemOnceBalancedAndWeightsNeighbour) {
+  for (std::uint32_t tiles : {1u, 5u, 131u, 132u, 133u, 1000u}) {
+    for (std::uint32_t row_blocks : {1u, 16u, 28u}) {
+      const std::uint32_t items = tiles * row_blocks, grid = 132;
+      std::vector<int> seen(items, 0);
+      std::uint32_t most = 0, fewest = ~0u;
+      for (std::uint32_t cta = 0; cta < grid; ++cta) {
+        std::uint32_t mine = 0;
+        for (std::uint32_t i = cta; i < items; i += grid, ++mine) {
+          const GroupedItem w = grouped_item(i, tiles);
+          ASSERT_LT(w.tile, tiles);
+          ASSERT_LT(w.row_block, row_blocks);
+          seen[w.row_block * tiles + w.tile]++;
+        }
+        most = std::max(most, mine);
+        fewest = std::min(fewest, mine);
+      }
+      for (int s : seen) EXPECT_EQ(s, 1);
+      EXPECT_LE(most - fewest, 1u);
+      // Consecutive items share a row block (and so the weights of an expert's tiles).
+      for (std::uint32_t i = 0; i + 1 < items; ++i)
+        if ((i + 1) % tiles != 0) EXPECT_EQ(grouped_item(i, tiles).row_block, grouped_item(i + 1, tiles).row_block);
+    }
+  }
+}
+
+// wgmma m64nNk16 A operand in registers (PTX ISA, "Register fragment
+// layout for matrix A"): within warp wi of the warpgroup, lane group g holds
+// rows 16 wi + g and 16 wi + g + 8 of the m64 tile. The kernel's two m64
+// tiles per consumer warpgroup cover its 128 weight rows; the map must give
+// every ring row to exactly one (thread, chunk), and gate/up must pair the
+// gate and up rows of one output in the same thread.
+TEST(GroupedPlan, FragmentMapCoversTheRingOnceAndPairsGateWithUp) {
+  for (bool gate_up : {false, true}) {
+    std::vector<int> owner(kGroupedRows * 4, 0);  // (ring row, lane % 4)
+    for (int wg = 0; wg < 2; ++wg)
+      for (int wi = 0; wi < 4; ++wi)
+        for (int g = 0; g < 8; ++g)
+          for (int c = 0; c < 4; ++c) {
+            const int mt = c / 2, h = c % 2;
+            const std::uint32_t row = grouped_ring_row(gate_up, wg, wi, g, c);
+            ASSERT_LT(row, kGroupedRows);
+            for (int t = 0; t < 4; ++t) owner[row * 4 + t]++;
+            const std::uint32_t out = grouped_out_in_item(gate_up, wg, wi, g, mt);
+            if (gate_up) {
+              EXPECT_LT(out, 128u);
+              EXPECT_EQ(row, out + 128u * h);  // gate row, then the up row of the same output
+            } else {
+              // m64 tile mt of warpgroup wg: rows 128 wg + 64 mt + 16 wi + g (+ 8).
+              EXPECT_EQ(row, std::uint32_t(128 * wg + 64 * mt + 16 * wi + g + 8 * h));
+            }
+          }
+    for (int o : owner) EXPECT_EQ(o, 1);
+  }
+}
+
+TEST(GroupedPlan, ProducerChunksFillEachStageOnceInTheSwizzledLayout) {
+  for (int nt : kGroupedTokenTiles) {
+    std::vector<int> byte_owner(std::size_t(nt) * 256 / 16, 0);
+    std::set<std::uint64_t> sources;
+    for (int p = 0; p < 128; ++p)
+      for (int a = 0; a < nt / 8; ++a) {
+        const GroupedActChunk c = grouped_act_chunk(std::uint32_t(nt), p, a);
+        ASSERT_LT(c.row, std::uint32_t(nt));
+        ASSERT_LT(c.offset + 16, std::uint32_t(nt) * 256 + 1);
+        EXPECT_EQ(c.offset % 16, 0u);
+        byte_owner[c.offset / 16]++;
+        // Chunk a is chunk 0 moved down 8a rows (what the kernel's loop assumes).
+        EXPECT_EQ(c.offset, grouped_act_chunk(std::uint32_t(nt), p, 0).offset + 1024u * a);
+        // 128-byte swizzle: 16-byte unit j of row n lands at unit j ^ (n % 8) of its 128-byte row.
+        const std::uint32_t in_half = c.offset - c.half * std::uint32_t(nt) * 128;
+        EXPECT_EQ(in_half / 128, c.row);
+        EXPECT_EQ((in_half % 128) / 16, c.c8 ^ (c.row % 8));
+        sources.insert(std::uint64_t(c.row) * 128 + c.half * 64 + c.c8 * 8);  // element of the row's K block
+      }
+    for (int o : byte_owner) EXPECT_EQ(o, 1);
+    EXPECT_EQ(sources.size(), std::size_t(nt) * 16);
+  }
+}
+
+TEST(GroupedPlan, CallPlanChoosesTheGroupedKernelOnlyWhenAsked) {
+  const MoePlan native = plan_of(ScaleCompression::none, kDs3), csf = plan_of(ScaleCompression::csf, kDs3);
+  MoeBindOptions o;
+  // Not chosen by default (kGroupedDefaultMinTokens) until measured.
+  for (std::uint32_t t : {1u, 256u, 512u, 8192u}) {
+    const MoeCallPlan p = plan_call(native, h200(), t, false, false, o);
+    if (kGroupedDefaultMinTokens > t) EXPECT_NE(p.kernel, MoeKernel::grouped);
+  }
+  o.grouped_min_tokens = 128;
+  EXPECT_NE(plan_call(native, h200(), 127, false, false, o).kernel, MoeKernel::grouped);
+  for (std::uint32_t t : {128u, 512u, 600u, 8192u}) {
+    const MoeCallPlan p = plan_call(native, h200(), t, false, false, o);
+    EXPECT_EQ(p.kernel, MoeKernel::grouped);  // ahead of the prefill kernel
+    EXPECT_EQ(p.token_tile, grouped_token_tile(t, 8, 256, 0));
+    EXPECT_EQ(p.token_pass, 0u);
+  }
+  // CSF: a grouped call with a scratch expands its routed experts; without
+  // one it stays stage-read on the decode kernel.
+  EXPECT_EQ(plan_call(csf, h200(), 128, false, true, o).mode, MoeScaleMode::routed);
+  EXPECT_EQ(plan_call(csf, h200(), 128, false, true, o).kernel, MoeKernel::grouped);
+  EXPECT_EQ(plan_call(csf, h200(), 128, false, false, o).mode, MoeScaleMode::stage_read);
+  EXPECT_EQ(plan_call(csf, h200(), 128, false, false, o).kernel, MoeKernel::decode);
+  // Devices and shapes without it.
+  MoeDeviceCaps old = h200();
+  old.grouped_kernels = false;
+  EXPECT_NE(plan_call(native, old, 4096, false, false, o).kernel, MoeKernel::grouped);
+  const MoePlan odd = plan_of(ScaleCompression::none, {16, 384, 256, 4, GateUpOrder::w13});
+  EXPECT_NE(plan_call(odd, h200(), 4096, false, false, o).kernel, MoeKernel::grouped);
+  // A requested tile.
+  o.grouped_token_tile = 64;
+  EXPECT_EQ(plan_call(native, h200(), 300, false, false, o).token_tile, 64u);
+  o.grouped_token_tile = 48;
+  try {
+    (void)plan_call(native, h200(), 300, false, false, o);
+    FAIL() << "tile 48 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("grouped_token_tile is 48"), std::string::npos) << e.what();
+  }
+  EXPECT_STREQ(to_string(MoeKernel::grouped), "grouped");
+}
+
+}  // namespace
+}  // namespace csfmoe
