@@ -17,6 +17,18 @@ csfmoe_install_deps() {
   DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
 
+# cuobjdump and the nvdisasm it runs (PyPI wheels) into BUILD/cuda-tools, where
+# tests/CMakeLists.txt finds it for the SASS check; nothing when nvcc is absent
+# or the toolkit has its own.
+csfmoe_install_cuobjdump() {
+  local build=$1
+  command -v nvcc >/dev/null 2>&1 || [[ -x /usr/local/cuda/bin/nvcc ]] || return 0
+  [[ -x /usr/local/cuda/bin/cuobjdump || -x $build/cuda-tools/nvidia/cu13/bin/cuobjdump ]] && return 0
+  mkdir -p "$build"
+  python3 -m pip install -q --disable-pip-version-check --target "$build/cuda-tools" "nvidia-cuda-cuobjdump>=13,<14" "nvidia-cuda-nvdisasm>=13,<14" ||
+    echo "csfmoe: could not install cuobjdump; the SASS check will be skipped" >&2
+}
+
 # Configures and builds build/ (Release); CUDA kernels compile when nvcc is found.
 csfmoe_build() {
   local root=$1
