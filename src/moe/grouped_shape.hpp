@@ -107,17 +107,20 @@ constexpr GroupedActChunk grouped_act_chunk(std::uint32_t nt, int p, int a) {
   return c;
 }
 
-// The token tile of a call: the smallest class at least the mean routed rows
-// per expert R = T * k / E (so that a typical expert fills one tile), capped
-// at the largest class; `requested` (a class, from MoeBindOptions) wins.
+// The token tile of a call (the routing's rows per tile, the most one item
+// multiplies): the smallest class at least twice the mean routed rows per
+// expert R = T * k / E, so that most experts fit one tile and their weights
+// are converted once, capped at the largest class; `requested` (a class,
+// from MoeBindOptions) wins.
 constexpr std::uint32_t grouped_token_tile(std::uint64_t tokens, std::uint32_t topk, std::uint32_t experts,
                                            std::uint32_t requested) {
   if (requested != 0) return requested;
-  const std::uint64_t rows = (tokens * topk + experts - 1) / experts;
+  const std::uint64_t rows = 2 * ((tokens * topk + experts - 1) / experts);
   for (const int nt : kGroupedTokenTiles)
     if (rows <= std::uint64_t(nt)) return std::uint32_t(nt);
   return kGroupedMaxTile;
 }
+
 
 constexpr bool grouped_token_tile_valid(std::uint32_t nt) {
   for (const int v : kGroupedTokenTiles)

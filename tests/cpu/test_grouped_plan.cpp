@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <set>
@@ -44,22 +45,23 @@ MoePlan plan_of(ScaleCompression c, const MoeLayerGeometry& g) {
 const MoeLayerGeometry kDs3{256, 7168, 2048, 8, GateUpOrder::w13};
 const MoeLayerGeometry kQwen3{128, 2048, 768, 8, GateUpOrder::w13};
 
-TEST(GroupedPlan, TokenTileIsTheSmallestClassHoldingTheMeanRowsPerExpert) {
+TEST(GroupedPlan, TokenTileIsTheSmallestClassHoldingTwiceTheMeanRowsPerExpert) {
   for (const MoeLayerGeometry& g : {kDs3, kQwen3}) {
     for (std::uint32_t t = 1; t <= 16384; t = t * 3 / 2 + 1) {
-      const double rows = double(t) * g.topk / g.experts;
+      const double twice = 2.0 * std::ceil(double(t) * g.topk / g.experts);
       const std::uint32_t nt = grouped_token_tile(t, g.topk, g.experts, 0);
       SCOPED_TRACE("E=" + std::to_string(g.experts) + " T=" + std::to_string(t));
       EXPECT_TRUE(grouped_token_tile_valid(nt));
-      if (nt < kGroupedMaxTile) EXPECT_GE(double(nt), rows);
-      if (nt > kGroupedMinTile) EXPECT_LT(double(nt / 2), rows);
+      if (nt < kGroupedMaxTile) EXPECT_GE(double(nt), twice);
+      if (nt > kGroupedMinTile) EXPECT_LT(double(nt / 2), twice);
     }
   }
   // DeepSeek-V3: R = T / 32.
-  EXPECT_EQ(grouped_token_tile(512, 8, 256, 0), 16u);
-  EXPECT_EQ(grouped_token_tile(513, 8, 256, 0), 32u);
-  EXPECT_EQ(grouped_token_tile(2048, 8, 256, 0), 64u);
-  EXPECT_EQ(grouped_token_tile(8192, 8, 256, 0), 128u);
+  EXPECT_EQ(grouped_token_tile(256, 8, 256, 0), 16u);
+  EXPECT_EQ(grouped_token_tile(257, 8, 256, 0), 32u);
+  EXPECT_EQ(grouped_token_tile(1024, 8, 256, 0), 64u);
+  EXPECT_EQ(grouped_token_tile(2048, 8, 256, 0), 128u);
+  EXPECT_EQ(grouped_token_tile(16384, 8, 256, 0), 128u);
   EXPECT_EQ(grouped_token_tile(8192, 8, 256, 32), 32u);  // a requested class wins
   for (std::uint32_t bad : {1u, 8u, 48u, 256u}) EXPECT_FALSE(grouped_token_tile_valid(bad));
 }
