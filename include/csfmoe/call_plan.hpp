@@ -82,6 +82,9 @@ struct MoeBindOptions {
   MoeDecodeTuning tuning;
 };
 
+// validate(options.tuning) and the grouped token tile; bind calls it.
+void validate(const MoeBindOptions& options);
+
 // What bind reads from the layer's device.
 struct MoeDeviceCaps {
   std::uint32_t sm_count = 0;

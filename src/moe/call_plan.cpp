@@ -47,6 +47,13 @@ void validate(const MoeDecodeTuning& t) {
   check_range(t.waves, 1, 1024, "waves");
 }
 
+void validate(const MoeBindOptions& o) {
+  validate(o.tuning);
+  if (o.grouped_token_tile != 0 && !moe_detail::grouped_token_tile_valid(o.grouped_token_tile))
+    throw InvalidArgument(fmt::format(
+        "MoeBindOptions.grouped_token_tile is {}: allowed 0 (auto), 16, 32, 64 or 128", o.grouped_token_tile));
+}
+
 namespace moe_detail {
 
 std::uint32_t prefill_threshold(const MoeBindOptions& o, const MoeLayerGeometry& g) {
@@ -103,11 +110,8 @@ bool reads_expanded_scales(const MoePlan& plan, const MoeDeviceCaps& caps, std::
 MoeCallPlan plan_call(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint32_t tokens,
                       bool scales_expanded, bool has_scratch, const MoeBindOptions& o) {
   using namespace moe_detail;
-  validate(o.tuning);
+  validate(o);
   const MoeLayerGeometry& g = plan.geometry;
-  if (o.grouped_token_tile != 0 && !grouped_token_tile_valid(o.grouped_token_tile))
-    throw InvalidArgument(fmt::format("MoeBindOptions.grouped_token_tile is {}: allowed 0 (auto), 16, 32, 64 or 128",
-                                      o.grouped_token_tile));
   const bool grouped_ok = caps.grouped_kernels && grouped_shape_ok(g.hidden, g.intermediate);
   const bool grouped_size = tokens >= grouped_threshold(o);
   const bool prefill_ok = caps.prefill_kernels && prefill_shape_ok(g.hidden, g.intermediate);

@@ -915,6 +915,9 @@ TEST_F(GpuMoe, HostChecksRejectBadArguments) {
   opt.tuning = {};
   opt.tuning.copy_kblocks = 2;
   EXPECT_THROW(bind(*l.csf, nullptr, 64, call.workspace(), false, opt), InvalidArgument);
+  opt.tuning = {};
+  opt.grouped_token_tile = 48;  // not a token-tile class
+  EXPECT_THROW(bind(*l.csf, nullptr, 64, call.workspace(), false, opt), InvalidArgument);
   EXPECT_TRUE(l.csf->source_scales_droppable());
   EXPECT_FALSE(l.native->source_scales_droppable());
   EXPECT_EQ(l.native->resident_scale_bytes(), l.plan_native.w13_scale_bytes + l.plan_native.w2_scale_bytes);

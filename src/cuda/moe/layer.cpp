@@ -288,7 +288,7 @@ BoundMoe bind(const MoeWeights& w, cudaStream_t stream, std::uint32_t max_tokens
                     p.constraints.stage_read_max_tokens, max_tokens));
   }
   try {
-    validate(options.tuning);
+    validate(options);
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(std::string("bind: ") + e.what());
   }
