@@ -6,7 +6,8 @@
 //                 [--timeline FILE]   (builds with -DCSFMOE_DECODE_TIMELINE=1 only)
 //                 [--decode-warps 1|2|4|8] [--decode-run R] [--decode-copy 1] [--decode-kb-per-warp N]
 //                 [--decode-min-kb N] [--decode-waves N]   (MoeBindOptions::tuning of every binding)
-//                 [--grouped-tiles 0,16,32,64,128] [--grouped-from T] [--dump-draws DIR]
+//                 [--grouped-tiles 0,16,32,64,128] [--grouped-groups 0,1,...] [--grouped-from T]
+//                 [--dump-draws DIR]
 //
 // Per shape and token count T (top-8 routing, distinct experts per token):
 //   roofline  = bytes of the distinct experts the call touches (FP4 weights +
@@ -29,9 +30,10 @@
 //               counted for the peer (its time is a lower bound).
 // Grouped: native on the grouped kernel forced, per token tile of
 //               --grouped-tiles (0 = the call plan's choice), from T >=
-//               --grouped-from (default 64); the first tile also routed
-//               (CSF), bitwise against native, and every tile against the
-//               decode kernel (relative difference).
+//               --grouped-from (default 64); the first tile also per raster
+//               group of --grouped-groups (MoeBindOptions::grouped_tile_group,
+//               0 = the plan's) and routed (CSF), bitwise against native,
+//               and every run against the decode kernel (relative difference).
 // --dump-draws DIR writes each shape's routing draws (DIR/<shape>-T<T>.bin:
 //               int64 ids [8][T][k] then float32 weights [8][T][k]) for the
 //               peer bench (bench/humming_peer.py).
@@ -218,6 +220,7 @@ struct Args {
   bool peer = true, overlap = true;
   MoeDecodeTuning tuning;  // decode block shape overrides (-1 = auto)
   std::vector<std::uint32_t> grouped_tiles = {0};
+  std::vector<std::uint32_t> grouped_groups = {0};
   std::uint32_t grouped_from = 64;
   std::string dump_draws;
 };
@@ -268,6 +271,8 @@ Args parse(int argc, char** argv) {
       a.tuning.waves = std::stoi(val());
     } else if (k == "--grouped-tiles") {
       a.grouped_tiles = parse_list(val());
+    } else if (k == "--grouped-groups") {
+      a.grouped_groups = parse_list(val());
     } else if (k == "--grouped-from") {
       a.grouped_from = std::uint32_t(std::stoul(val()));
     } else if (k == "--dump-draws") {
@@ -657,45 +662,55 @@ int main(int argc, char** argv) {
       }
       // The grouped kernel forced, per token tile; the first tile also routed (CSF).
       struct GroupedRun {
-        std::uint32_t tile = 0;
+        std::uint32_t tile = 0, group = 0;
         float us = 0;
         double vs_decode = -1;
       };
       std::vector<GroupedRun> grouped;
       bool grouped_same = true;
       float grouped_routed_us = 0;
-      if (T >= args.grouped_from) {
-        for (std::size_t gi = 0; gi < args.grouped_tiles.size(); ++gi) {
-          for (int routed = 0; routed < (gi == 0 ? 2 : 1); ++routed) {
-            MoeBindOptions opt;
-            opt.force_mode = routed ? MoeScaleMode::routed : MoeScaleMode::native;
-            opt.grouped_min_tokens = 1;
-            opt.grouped_token_tile = args.grouped_tiles[gi];
-            const BoundMoe b = bind(routed ? *layer.wc : *layer.wn, st, max_t, {ws, ws_bytes}, false, opt);
-            if (b.kernel_for(T) != MoeKernel::grouped) break;  // not on this device or shape
-            const float t_us = time_binding(b, 8);
-            std::vector<std::uint16_t> o(h.size());
-            ck(cudaMemcpy(o.data(), out, h.size() * 2, cudaMemcpyDeviceToHost), "out");
-            if (routed) {
-              grouped_routed_us = t_us;
-              grouped_same = grouped_same && o == outs[8];
-              continue;
-            }
-            GroupedRun r;
-            r.tile = b.call_plan(T).token_tile;
-            r.us = t_us;
-            if (!outs[5].empty()) {
-              std::vector<float> a(h.size()), d(h.size());
-              for (std::size_t i = 0; i < a.size(); ++i) {
-                a[i] = bf16_to_float(o[i]);
-                d[i] = bf16_to_float(outs[5][i]);
-              }
-              r.vs_decode = relative_error(a, d);
-            }
-            if (gi == 0) outs[8] = o;
-            grouped.push_back(r);
-          }
+      const auto run_grouped = [&](std::uint32_t tile, std::uint32_t group, bool routed) {
+        MoeBindOptions opt;
+        opt.force_mode = routed ? MoeScaleMode::routed : MoeScaleMode::native;
+        opt.grouped_min_tokens = 1;
+        opt.grouped_token_tile = tile;
+        opt.grouped_tile_group = group;
+        const BoundMoe b = bind(routed ? *layer.wc : *layer.wn, st, max_t, {ws, ws_bytes}, false, opt);
+        if (b.kernel_for(T) != MoeKernel::grouped) return false;  // not on this device or shape
+        const float t_us = time_binding(b, 8);
+        std::vector<std::uint16_t> o(h.size());
+        ck(cudaMemcpy(o.data(), out, h.size() * 2, cudaMemcpyDeviceToHost), "out");
+        if (routed) {
+          grouped_routed_us = t_us;
+          grouped_same = grouped_same && o == outs[8];
+          return true;
         }
+        GroupedRun r;
+        r.tile = b.call_plan(T).token_tile;
+        r.group = b.call_plan(T).tile_group;
+        r.us = t_us;
+        if (!outs[5].empty()) {
+          std::vector<float> a(h.size()), d(h.size());
+          for (std::size_t i = 0; i < a.size(); ++i) {
+            a[i] = bf16_to_float(o[i]);
+            d[i] = bf16_to_float(outs[5][i]);
+          }
+          r.vs_decode = relative_error(a, d);
+        }
+        if (outs[8].empty())
+          outs[8] = o;
+        else  // every tile and group: same inputs, other summation blocks; same bits across groups
+          grouped_same = grouped_same && (r.tile != grouped.front().tile || o == outs[8]);
+        grouped.push_back(r);
+        return true;
+      };
+      if (T >= args.grouped_from) {
+        bool runs = true;
+        for (std::size_t gi = 0; gi < args.grouped_groups.size() && runs; ++gi)
+          runs = run_grouped(args.grouped_tiles[0], args.grouped_groups[gi], false);
+        if (runs) run_grouped(args.grouped_tiles[0], args.grouped_groups[0], true);
+        for (std::size_t ti = 1; ti < args.grouped_tiles.size() && runs; ++ti)
+          run_grouped(args.grouped_tiles[ti], args.grouped_groups[0], false);
       }
       float peer_us = 0;
       if (peer) {
@@ -750,9 +765,9 @@ int main(int argc, char** argv) {
         std::printf("\n");
       }
       for (const GroupedRun& r : grouped)
-        std::printf("%6s grouped tile %3u: %.1f us = %.1f%% of roofline, %.1f TFLOP/s, x%.2f vs the bound kernel; "
-                    "rel. diff to decode %.2e\n",
-                    "", r.tile, r.us, 100.0 * roof_native / r.us, flops / (r.us * 1e-6) / 1e12, us[0] / r.us,
+        std::printf("%6s grouped tile %3u group %3u: %.1f us = %.1f%% of roofline, %.1f TFLOP/s, x%.2f vs the bound "
+                    "kernel; rel. diff to decode %.2e\n",
+                    "", r.tile, r.group, r.us, 100.0 * roof_native / r.us, flops / (r.us * 1e-6) / 1e12, us[0] / r.us,
                     r.vs_decode);
       if (!grouped.empty())
         std::printf("%6s grouped routed (CSF): %.1f us%s\n", "", grouped_routed_us,
@@ -761,9 +776,9 @@ int main(int argc, char** argv) {
         for (const GroupedRun& r : grouped)
           std::fprintf(json,
                        "{\"bench\":\"moe_grouped\",\"shape\":\"%s\",\"format\":\"%s\",\"T\":%u,\"tile\":%u,"
-                       "\"us\":%.2f,\"roof_native_us\":%.2f,\"flops\":%.4g,\"bound_kernel\":\"%s\","
+                       "\"group\":%u,\"us\":%.2f,\"roof_native_us\":%.2f,\"flops\":%.4g,\"bound_kernel\":\"%s\","
                        "\"bound_us\":%.2f,\"routed_us\":%.2f,\"modes_identical\":%s,\"rel_diff_decode\":%.3g}\n",
-                       shape.name.c_str(), std::string(to_string(args.format)).c_str(), T, r.tile, r.us,
+                       shape.name.c_str(), std::string(to_string(args.format)).c_str(), T, r.tile, r.group, r.us,
                        roof_native, flops, kernel.c_str(), us[0], grouped_routed_us, grouped_same ? "true" : "false",
                        r.vs_decode);
       if (json)

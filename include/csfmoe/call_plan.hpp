@@ -65,12 +65,18 @@ struct MoeBindOptions {
   // Calls with T >= grouped_min_tokens run the grouped kernel where it
   // applies (as the prefill kernel: sm_90, H a multiple of 256 and N of 128,
   // dense scales); it takes precedence over the prefill and decode kernels.
-  // 0xFFFFFFFF never uses it; 0: the measured default (docs/moe-api.md).
-  std::uint32_t grouped_min_tokens = 0xFFFFFFFFu;
+  // 0xFFFFFFFF never uses it; 0 (the default): T * top_k >= 8 * E, 8 routed
+  // rows per expert on average, the measured crossover (docs/moe-api.md).
+  std::uint32_t grouped_min_tokens = 0;
   // The grouped kernel's token tile (routed rows per tile, the MMA's N):
   // 16, 32, 64 or 128; 0 (the default) picks the smallest tile that holds
   // the mean routed rows per expert, T * k / E.
   std::uint32_t grouped_token_tile = 0;
+  // The grouped kernel's work order: token tiles per raster group (each
+  // group's row blocks run over its tiles, so activation rows and weights
+  // are reused from L2); 0 (the default) = 8; a value >= the call's tiles
+  // walks each row block over all tiles.
+  std::uint32_t grouped_tile_group = 0;
   // On sm_90 and newer, launch the layer's kernels as programmatic dependents
   // of the one before (PDL): each may start while the previous one drains,
   // and the down GEMM streams its first weights before gate/up has finished.
@@ -114,6 +120,8 @@ struct MoeCallPlan {
   // Grouped kernel: routed rows per token tile (16, 32, 64 or 128); 0 for
   // the other kernels.
   std::uint32_t token_tile = 0;
+  // Grouped kernel: token tiles per raster group of its work list.
+  std::uint32_t tile_group = 0;
   MoeDecodeShape gate_up, down;  // decode kernel only
   bool programmatic_launch = false;
 };

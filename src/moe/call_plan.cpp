@@ -62,8 +62,10 @@ std::uint32_t prefill_threshold(const MoeBindOptions& o, const MoeLayerGeometry&
   return std::uint32_t(std::max<std::uint64_t>(1, (rows + g.topk - 1) / g.topk));
 }
 
-std::uint32_t grouped_threshold(const MoeBindOptions& o) {
-  return o.grouped_min_tokens == 0 ? kGroupedDefaultMinTokens : o.grouped_min_tokens;
+std::uint32_t grouped_threshold(const MoeBindOptions& o, const MoeLayerGeometry& g) {
+  if (o.grouped_min_tokens != 0) return o.grouped_min_tokens;
+  const std::uint64_t rows = 8ull * g.experts;
+  return std::uint32_t(std::max<std::uint64_t>(1, (rows + g.topk - 1) / g.topk));
 }
 
 bool decode_possible(const MoePlan& plan, const MoeDeviceCaps& caps, const MoeBindOptions& options) {
@@ -113,7 +115,7 @@ MoeCallPlan plan_call(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint3
   validate(o);
   const MoeLayerGeometry& g = plan.geometry;
   const bool grouped_ok = caps.grouped_kernels && grouped_shape_ok(g.hidden, g.intermediate);
-  const bool grouped_size = tokens >= grouped_threshold(o);
+  const bool grouped_size = tokens >= grouped_threshold(o, g);
   const bool prefill_ok = caps.prefill_kernels && prefill_shape_ok(g.hidden, g.intermediate);
   const bool prefill_size = tokens >= prefill_threshold(o, g);
   // The kernels that read dense scales only, and so expand routed experts.
@@ -136,6 +138,7 @@ MoeCallPlan plan_call(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint3
   if (grouped_ok && grouped_size && c.mode != MoeScaleMode::stage_read) {
     c.kernel = MoeKernel::grouped;
     c.token_tile = grouped_token_tile(tokens, g.topk, g.experts, o.grouped_token_tile);
+    c.tile_group = o.grouped_tile_group != 0 ? o.grouped_tile_group : kGroupedDefaultTileGroup;
     return c;
   }
   if (prefill_ok && prefill_size && c.mode != MoeScaleMode::stage_read)

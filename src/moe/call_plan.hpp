@@ -23,10 +23,11 @@ constexpr bool prefill_shape_ok(std::uint32_t hidden, std::uint32_t intermediate
 // per expert on average (T * k >= 16 * E).
 std::uint32_t prefill_threshold(const MoeBindOptions& options, const MoeLayerGeometry& geometry);
 
-// The smallest T that runs the grouped kernel: the option, or with 0 the
-// measured default kGroupedDefaultMinTokens.
-constexpr std::uint32_t kGroupedDefaultMinTokens = 0xFFFFFFFFu;
-std::uint32_t grouped_threshold(const MoeBindOptions& options);
+// The smallest T that runs the grouped kernel: the option, or with 0 (the
+// default) 8 routed rows per expert on average, T * k >= 8 * E, where it
+// overtook the decode kernel on the H200 (DeepSeek-V3 from T = 256,
+// Qwen3-30B-A3B from 128; bench/RESULTS.md, "Grouped kernel").
+std::uint32_t grouped_threshold(const MoeBindOptions& options, const MoeLayerGeometry& geometry);
 
 // Whether the layer's calls may run the decode kernel on the device: the
 // option allows it, K of both GEMMs is whole K blocks, and the widest block

@@ -61,18 +61,28 @@ constexpr std::uint64_t routed_tiles(std::uint64_t slots, std::uint32_t experts,
   return (slots + tile - 1) / tile + std::min<std::uint64_t>(slots, experts);
 }
 
-// Work items of one GEMM: (token tile, row block) pairs. The token tile is
-// the fast index, so items that read the same weights (tiles of one expert,
-// same row block) are neighbours and run at the same time on neighbouring
-// SMs, the second reading them from L2. Every CTA walks items blockIdx.x,
+// Work items of one GEMM: (token tile, row block) pairs, in raster groups
+// of `group` consecutive tiles: within a group the tile is the fast index
+// and the row block the slow one, so the items running at the same time
+// (neighbours in the order) share weights (tiles of one expert, same row
+// block) and, across the group's row blocks, activation rows, each read
+// from DRAM about once while it sits in L2. group >= tiles is one group
+// (row block major over all tiles). Every CTA walks items blockIdx.x,
 // + gridDim.x, ...: each output tile is computed by one CTA in a fixed K
 // order (deterministic).
 struct GroupedItem {
   std::uint32_t tile, row_block;
 };
-constexpr GroupedItem grouped_item(std::uint32_t item, std::uint32_t tiles) {
-  return {item % tiles, item / tiles};
+constexpr GroupedItem grouped_item(std::uint32_t item, std::uint32_t tiles, std::uint32_t row_blocks,
+                                   std::uint32_t group) {
+  const std::uint32_t per_group = group * row_blocks;
+  const std::uint32_t g = item / per_group, first = g * group;
+  const std::uint32_t width = tiles - first < group ? tiles - first : group;
+  const std::uint32_t in = item - g * per_group;
+  return {first + in % width, in / width};
 }
+// Tiles per raster group when the options leave it to the plan.
+constexpr std::uint32_t kGroupedDefaultTileGroup = 8;
 
 // Fragment map of a consumer thread (warpgroup wg 0..1 of the consumers,
 // warp wi 0..3 in it, lane group g = lane / 4): the output (gate/up) or row
@@ -108,19 +118,23 @@ constexpr GroupedActChunk grouped_act_chunk(std::uint32_t nt, int p, int a) {
 }
 
 // The token tile of a call (the routing's rows per tile, the most one item
-// multiplies): the smallest class at least twice the mean routed rows per
-// expert R = T * k / E, so that most experts fit one tile and their weights
-// are converted once, capped at the largest class; `requested` (a class,
-// from MoeBindOptions) wins.
+// multiplies), from the mean routed rows per expert R = ceil(T * k / E) by
+// a table measured on the H200 (bench/RESULTS.md, "Grouped kernel"): the
+// first entry whose bound holds; `requested` (a class, from
+// MoeBindOptions) wins. Larger tiles convert each weight for more rows;
+// smaller ones pad less and keep more ring stages.
+struct GroupedTileRule {
+  std::uint32_t max_rows, tile;
+};
+inline constexpr GroupedTileRule kGroupedTileTable[] = {{8, 16}, {16, 32}, {64, 64}, {0xFFFFFFFFu, 128}};
 constexpr std::uint32_t grouped_token_tile(std::uint64_t tokens, std::uint32_t topk, std::uint32_t experts,
                                            std::uint32_t requested) {
   if (requested != 0) return requested;
-  const std::uint64_t rows = 2 * ((tokens * topk + experts - 1) / experts);
-  for (const int nt : kGroupedTokenTiles)
-    if (rows <= std::uint64_t(nt)) return std::uint32_t(nt);
+  const std::uint64_t rows = (tokens * topk + experts - 1) / experts;
+  for (const GroupedTileRule& r : kGroupedTileTable)
+    if (rows <= r.max_rows) return r.tile;
   return kGroupedMaxTile;
 }
-
 
 constexpr bool grouped_token_tile_valid(std::uint32_t nt) {
   for (const int v : kGroupedTokenTiles)

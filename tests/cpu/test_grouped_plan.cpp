@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <random>
 #include <set>
@@ -45,23 +44,23 @@ MoePlan plan_of(ScaleCompression c, const MoeLayerGeometry& g) {
 const MoeLayerGeometry kDs3{256, 7168, 2048, 8, GateUpOrder::w13};
 const MoeLayerGeometry kQwen3{128, 2048, 768, 8, GateUpOrder::w13};
 
-TEST(GroupedPlan, TokenTileIsTheSmallestClassHoldingTwiceTheMeanRowsPerExpert) {
+// The measured table (H200, bench/RESULTS.md): R = ceil(T k / E) up to 8 ->
+// 16, up to 16 -> 32, up to 64 -> 64, above -> 128.
+TEST(GroupedPlan, TokenTileFollowsTheMeasuredTable) {
   for (const MoeLayerGeometry& g : {kDs3, kQwen3}) {
     for (std::uint32_t t = 1; t <= 16384; t = t * 3 / 2 + 1) {
-      const double twice = 2.0 * std::ceil(double(t) * g.topk / g.experts);
-      const std::uint32_t nt = grouped_token_tile(t, g.topk, g.experts, 0);
+      const std::uint64_t r = (std::uint64_t(t) * g.topk + g.experts - 1) / g.experts;
+      const std::uint32_t want = r <= 8 ? 16 : r <= 16 ? 32 : r <= 64 ? 64 : 128;
       SCOPED_TRACE("E=" + std::to_string(g.experts) + " T=" + std::to_string(t));
-      EXPECT_TRUE(grouped_token_tile_valid(nt));
-      if (nt < kGroupedMaxTile) EXPECT_GE(double(nt), twice);
-      if (nt > kGroupedMinTile) EXPECT_LT(double(nt / 2), twice);
+      EXPECT_EQ(grouped_token_tile(t, g.topk, g.experts, 0), want);
     }
   }
   // DeepSeek-V3: R = T / 32.
   EXPECT_EQ(grouped_token_tile(256, 8, 256, 0), 16u);
   EXPECT_EQ(grouped_token_tile(257, 8, 256, 0), 32u);
   EXPECT_EQ(grouped_token_tile(1024, 8, 256, 0), 64u);
-  EXPECT_EQ(grouped_token_tile(2048, 8, 256, 0), 128u);
-  EXPECT_EQ(grouped_token_tile(16384, 8, 256, 0), 128u);
+  EXPECT_EQ(grouped_token_tile(2048, 8, 256, 0), 64u);
+  EXPECT_EQ(grouped_token_tile(2049, 8, 256, 0), 128u);
   EXPECT_EQ(grouped_token_tile(8192, 8, 256, 32), 32u);  // a requested class wins
   for (std::uint32_t bad : {1u, 8u, 48u, 256u}) EXPECT_FALSE(grouped_token_tile_valid(bad));
 }
@@ -126,28 +125,38 @@ TEST(GroupedPlan, RoutedTilesBoundHoldsOnUniformAndSkewedDraws) {
   }
 }
 
-TEST(GroupedPlan, WorkListCoversEveryItemOnceBalancedAndWeightsNeighbour) {
+TEST(GroupedPlan, WorkListCoversEveryItemOnceBalancedInRasterGroups) {
   for (std::uint32_t tiles : {1u, 5u, 131u, 132u, 133u, 1000u}) {
     for (std::uint32_t row_blocks : {1u, 16u, 28u}) {
-      const std::uint32_t items = tiles * row_blocks, grid = 132;
-      std::vector<int> seen(items, 0);
-      std::uint32_t most = 0, fewest = ~0u;
-      for (std::uint32_t cta = 0; cta < grid; ++cta) {
-        std::uint32_t mine = 0;
-        for (std::uint32_t i = cta; i < items; i += grid, ++mine) {
-          const GroupedItem w = grouped_item(i, tiles);
-          ASSERT_LT(w.tile, tiles);
-          ASSERT_LT(w.row_block, row_blocks);
-          seen[w.row_block * tiles + w.tile]++;
+      for (std::uint32_t group : {1u, 3u, 8u, 0xFFFFFFFFu}) {
+        SCOPED_TRACE("tiles " + std::to_string(tiles) + " row blocks " + std::to_string(row_blocks) + " group " +
+                     std::to_string(group));
+        const std::uint32_t items = tiles * row_blocks, grid = 132;
+        std::vector<int> seen(items, 0);
+        std::uint32_t most = 0, fewest = ~0u;
+        for (std::uint32_t cta = 0; cta < grid; ++cta) {
+          std::uint32_t mine = 0;
+          for (std::uint32_t i = cta; i < items; i += grid, ++mine) {
+            const GroupedItem w = grouped_item(i, tiles, row_blocks, group);
+            ASSERT_LT(w.tile, tiles);
+            ASSERT_LT(w.row_block, row_blocks);
+            seen[w.row_block * tiles + w.tile]++;
+          }
+          most = std::max(most, mine);
+          fewest = std::min(fewest, mine);
         }
-        most = std::max(most, mine);
-        fewest = std::min(fewest, mine);
+        for (int s : seen) EXPECT_EQ(s, 1);
+        EXPECT_LE(most - fewest, 1u);
+        // Raster groups: an item's group of tiles is done, every row block, before the next
+        // group starts; inside a group the tile is the fast index.
+        const std::uint32_t width = std::min(group, tiles);
+        for (std::uint32_t i = 0; i < items; ++i) {
+          const GroupedItem w = grouped_item(i, tiles, row_blocks, group);
+          const std::uint32_t first = w.tile / width * width;
+          const std::uint32_t in_group = std::min(width, tiles - first);
+          EXPECT_EQ(i, first * row_blocks + w.row_block * in_group + (w.tile - first));
+        }
       }
-      for (int s : seen) EXPECT_EQ(s, 1);
-      EXPECT_LE(most - fewest, 1u);
-      // Consecutive items share a row block (and so the weights of an expert's tiles).
-      for (std::uint32_t i = 0; i + 1 < items; ++i)
-        if ((i + 1) % tiles != 0) EXPECT_EQ(grouped_item(i, tiles).row_block, grouped_item(i + 1, tiles).row_block);
     }
   }
 }
@@ -206,37 +215,45 @@ TEST(GroupedPlan, ProducerChunksFillEachStageOnceInTheSwizzledLayout) {
   }
 }
 
-TEST(GroupedPlan, CallPlanChoosesTheGroupedKernelOnlyWhenAsked) {
+TEST(GroupedPlan, CallPlanChoosesTheGroupedKernelFromEightRowsPerExpert) {
   const MoePlan native = plan_of(ScaleCompression::none, kDs3), csf = plan_of(ScaleCompression::csf, kDs3);
   MoeBindOptions o;
-  // Not chosen by default (kGroupedDefaultMinTokens) until measured.
-  for (std::uint32_t t : {1u, 256u, 512u, 8192u}) {
+  // The default threshold: T * k >= 8 * E (DeepSeek-V3: T >= 256; Qwen3-30B-A3B: T >= 128),
+  // ahead of the prefill kernel (T * k >= 16 * E).
+  EXPECT_EQ(grouped_threshold(o, kDs3), 256u);
+  EXPECT_EQ(grouped_threshold(o, kQwen3), 128u);
+  EXPECT_EQ(grouped_threshold(o, {384, 7168, 2048, 8, GateUpOrder::w13}), 384u);
+  EXPECT_EQ(plan_call(native, h200(), 255, false, false, o).kernel, MoeKernel::decode);
+  for (std::uint32_t t : {256u, 512u, 600u, 8192u}) {
     const MoeCallPlan p = plan_call(native, h200(), t, false, false, o);
-    if (kGroupedDefaultMinTokens > t) EXPECT_NE(p.kernel, MoeKernel::grouped);
+    EXPECT_EQ(p.kernel, MoeKernel::grouped);
+    EXPECT_EQ(p.token_tile, grouped_token_tile(t, 8, 256, 0));
+    EXPECT_EQ(p.tile_group, kGroupedDefaultTileGroup);
+    EXPECT_EQ(p.token_pass, 0u);
   }
   o.grouped_min_tokens = 128;
   EXPECT_NE(plan_call(native, h200(), 127, false, false, o).kernel, MoeKernel::grouped);
-  for (std::uint32_t t : {128u, 512u, 600u, 8192u}) {
-    const MoeCallPlan p = plan_call(native, h200(), t, false, false, o);
-    EXPECT_EQ(p.kernel, MoeKernel::grouped);  // ahead of the prefill kernel
-    EXPECT_EQ(p.token_tile, grouped_token_tile(t, 8, 256, 0));
-    EXPECT_EQ(p.token_pass, 0u);
-  }
+  EXPECT_EQ(plan_call(native, h200(), 128, false, false, o).kernel, MoeKernel::grouped);
   // CSF: a grouped call with a scratch expands its routed experts; without
   // one it stays stage-read on the decode kernel.
   EXPECT_EQ(plan_call(csf, h200(), 128, false, true, o).mode, MoeScaleMode::routed);
   EXPECT_EQ(plan_call(csf, h200(), 128, false, true, o).kernel, MoeKernel::grouped);
   EXPECT_EQ(plan_call(csf, h200(), 128, false, false, o).mode, MoeScaleMode::stage_read);
   EXPECT_EQ(plan_call(csf, h200(), 128, false, false, o).kernel, MoeKernel::decode);
-  // Devices and shapes without it.
+  // Devices and shapes without it; 0xFFFFFFFF turns it off.
   MoeDeviceCaps old = h200();
   old.grouped_kernels = false;
-  EXPECT_NE(plan_call(native, old, 4096, false, false, o).kernel, MoeKernel::grouped);
+  EXPECT_EQ(plan_call(native, old, 4096, false, false, o).kernel, MoeKernel::prefill);
   const MoePlan odd = plan_of(ScaleCompression::none, {16, 384, 256, 4, GateUpOrder::w13});
   EXPECT_NE(plan_call(odd, h200(), 4096, false, false, o).kernel, MoeKernel::grouped);
-  // A requested tile.
+  o.grouped_min_tokens = 0xFFFFFFFFu;
+  EXPECT_EQ(plan_call(native, h200(), 8192, false, false, o).kernel, MoeKernel::prefill);
+  o.grouped_min_tokens = 0;
+  // A requested tile and raster group.
   o.grouped_token_tile = 64;
+  o.grouped_tile_group = 3;
   EXPECT_EQ(plan_call(native, h200(), 300, false, false, o).token_tile, 64u);
+  EXPECT_EQ(plan_call(native, h200(), 300, false, false, o).tile_group, 3u);
   o.grouped_token_tile = 48;
   try {
     (void)plan_call(native, h200(), 300, false, false, o);
@@ -244,6 +261,7 @@ TEST(GroupedPlan, CallPlanChoosesTheGroupedKernelOnlyWhenAsked) {
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("grouped_token_tile is 48"), std::string::npos) << e.what();
   }
+  EXPECT_THROW(validate(o), InvalidArgument);
   EXPECT_STREQ(to_string(MoeKernel::grouped), "grouped");
 }
 

@@ -557,6 +557,7 @@ TEST_F(GpuMoe, DecodeAndTiledKernelsChosenByTokenCount) {
   MoeBindOptions opt;
   opt.decode_max_tokens = 100;
   opt.prefill_min_tokens = 0xFFFFFFFFu;  // PrefillKernelChosen* covers the prefill kernel
+  opt.grouped_min_tokens = 0xFFFFFFFFu;  // GroupedKernelChosen* the grouped one
   const BoundMoe b = bind(*l.csf, nullptr, 512, call.workspace(), false, opt);
   EXPECT_EQ(b.kernel_for(1), MoeKernel::decode);
   EXPECT_EQ(b.kernel_for(100), MoeKernel::decode);
@@ -587,6 +588,8 @@ TEST_F(GpuMoe, BindingPlansCallsFromTheDeviceCaps) {
     EXPECT_EQ(got.mode, want.mode);
     EXPECT_EQ(got.kernel, want.kernel);
     EXPECT_EQ(got.token_pass, want.token_pass);
+    EXPECT_EQ(got.token_tile, want.token_tile);
+    EXPECT_EQ(got.tile_group, want.tile_group);
     EXPECT_EQ(got.gate_up.warps, want.gate_up.warps);
     EXPECT_EQ(got.down.smem_bytes, want.down.smem_bytes);
   }
@@ -599,6 +602,7 @@ TEST_F(GpuMoe, PrefillKernelChosenFromItsThresholdForDenseScales) {
   Call call(l.plan_csf, 512);
   const MoeKernel large = sm90() ? MoeKernel::prefill : MoeKernel::decode;
   MoeBindOptions opt;
+  opt.grouped_min_tokens = 0xFFFFFFFFu;  // GroupedKernelChosen* covers the grouped kernel
   opt.prefill_min_tokens = 200;
   const BoundMoe expanded = bind(*l.csf, nullptr, 512, call.workspace(), true, opt);
   EXPECT_EQ(expanded.kernel_for(199), MoeKernel::decode);
@@ -614,7 +618,9 @@ TEST_F(GpuMoe, PrefillKernelChosenFromItsThresholdForDenseScales) {
   EXPECT_EQ(bind(*l.csf, nullptr, 512, call.workspace(), false, opt).kernel_for(512), MoeKernel::decode);
   opt.force_mode.reset();
   // The default: 16 rows per expert on average, T * k >= 16 * E (here T >= 64).
-  const BoundMoe automatic = bind(*l.native, nullptr, 512, call.workspace(), false);
+  MoeBindOptions no_grouped;
+  no_grouped.grouped_min_tokens = 0xFFFFFFFFu;
+  const BoundMoe automatic = bind(*l.native, nullptr, 512, call.workspace(), false, no_grouped);
   EXPECT_EQ(automatic.kernel_for(63), MoeKernel::decode);
   EXPECT_EQ(automatic.kernel_for(64), large);
   // A threshold above max_tokens, or a layer with H % 256 != 0: never.
@@ -625,6 +631,40 @@ TEST_F(GpuMoe, PrefillKernelChosenFromItsThresholdForDenseScales) {
   Layer ln(ScaleFormat::nvfp4, narrow, seed, 64);
   Call cn(ln.plan_csf, 64);
   EXPECT_EQ(bind(*ln.native, nullptr, 64, cn.workspace(), false, opt).kernel_for(64), MoeKernel::decode);
+}
+
+TEST_F(GpuMoe, GroupedKernelChosenFromItsThresholdAheadOfPrefill) {
+  CSFMOE_SEEDED(seed);
+  const MoeLayerGeometry g{8, 256, 128, 2, GateUpOrder::w13};
+  Layer l(ScaleFormat::nvfp4, g, seed, 512);
+  Call call(l.plan_csf, 512);
+  const MoeKernel large = sm90() ? MoeKernel::grouped : MoeKernel::decode;
+  // The default: 8 rows per expert on average, T * k >= 8 * E (here T >= 32), ahead of the
+  // prefill kernel (T >= 64).
+  const BoundMoe automatic = bind(*l.native, nullptr, 512, call.workspace(), false);
+  EXPECT_EQ(automatic.kernel_for(31), MoeKernel::decode);
+  EXPECT_EQ(automatic.kernel_for(32), large);
+  EXPECT_EQ(automatic.kernel_for(512), large);
+  EXPECT_EQ(automatic.call_plan(512).token_tile, sm90() ? 128u : 0u);  // 64 rows per expert
+  EXPECT_EQ(automatic.call_plan(32).token_tile, sm90() ? 16u : 0u);
+  MoeBindOptions opt;
+  opt.grouped_min_tokens = 100;
+  opt.grouped_token_tile = 32;
+  opt.grouped_tile_group = 3;
+  const BoundMoe chosen = bind(*l.native, nullptr, 512, call.workspace(), false, opt);
+  EXPECT_EQ(chosen.kernel_for(99), sm90() ? MoeKernel::prefill : MoeKernel::decode);
+  EXPECT_EQ(chosen.kernel_for(100), large);
+  if (sm90()) {
+    EXPECT_EQ(chosen.call_plan(100).token_tile, 32u);
+    EXPECT_EQ(chosen.call_plan(100).tile_group, 3u);
+  }
+  // Stage-read calls (compressed scales) run on the decode kernel; a CSF layer with a
+  // scratch expands its routed experts for the grouped kernel instead.
+  opt.force_mode = MoeScaleMode::stage_read;
+  EXPECT_EQ(bind(*l.csf, nullptr, 512, call.workspace(), false, opt).kernel_for(512), MoeKernel::decode);
+  opt.force_mode.reset();
+  EXPECT_EQ(bind(*l.csf, nullptr, 512, call.workspace(), false, opt).kernel_for(512), large);
+  EXPECT_EQ(bind(*l.csf, nullptr, 512, call.workspace(), false, opt).mode_for(512), MoeScaleMode::routed);
 }
 
 TEST_F(GpuMoe, InvalidIdsContributeNothingAndAreCounted) {

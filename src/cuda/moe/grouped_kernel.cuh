@@ -15,9 +15,10 @@
 //    fragment runs while the tensor cores work on the previous ones. A stage
 //    is handed back (empty barrier, one arrival per consumer warp) as soon
 //    as its last wgmma has retired; the main loop has no CTA barrier.
-//  * Persistence. Every CTA walks the work list (grouped_item) with a fixed
-//    stride; producer and consumers walk it alike, so the producer streams
-//    the next item's weights while the consumers run the epilogue.
+//  * Persistence. Every CTA walks the work list (grouped_item: raster groups
+//    of p.tile_group tiles) with a fixed stride; producer and consumers walk
+//    it alike, so the producer streams the next item's weights while the
+//    consumers run the epilogue.
 //  * Operand order and scales as the prefill kernel (prefill_kernel.cuh):
 //    activations K-permuted in global memory (prefill_k_source), the decode
 //    kernel's E2M1 conversion and LaneScales, whose words each consumer
@@ -98,7 +99,7 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
     const GroupedActChunk chunk = grouped_act_chunk(NT, tid, 0);
     std::uint32_t it = 0, buf = 0;
     for (std::uint32_t item = blockIdx.x; item < items; item += gridDim.x, buf ^= 1u) {
-      const GroupedItem w = grouped_item(item, tiles);
+      const GroupedItem w = grouped_item(item, tiles, row_blocks, p.tile_group);
       const int e = p.tile_expert[w.tile];
       std::uint32_t* table = tables + buf * NT;
       for (int n = tid; n < NT; n += 128) {
@@ -143,7 +144,7 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
 
   std::uint32_t it = 0;
   for (std::uint32_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const GroupedItem w = grouped_item(item, tiles);
+    const GroupedItem w = grouped_item(item, tiles, row_blocks, p.tile_group);
     const int e = p.tile_expert[w.tile];
     const std::uint32_t first = GateUp ? w.row_block * 128 : w.row_block * kGroupedRows;
     // Weight rows of the chunks in the expert (gate/up: ring rows 0..127 are gate rows).

@@ -82,6 +82,8 @@ struct GemmParams {
   std::uint32_t row_block_run = 1;
   // Decode kernel: the block shape the call plan chose (plan_call).
   MoeDecodeShape decode;
+  // Grouped kernel: tiles per raster group of its work list (grouped_item).
+  std::uint32_t tile_group = 1;
 };
 
 // Which GEMM kernel runs a call: the tiled kernel (tiled_kernel.cuh), the

@@ -309,7 +309,7 @@ BoundMoe bind(const MoeWeights& w, cudaStream_t stream, std::uint32_t max_tokens
   if (moe_detail::prefill_threshold(options, g) <= max_tokens &&
       moe_detail::prefill_shape_ok(g.hidden, g.intermediate))
     b.caps_.prefill_kernels = moe_detail::configure_prefill_kernels(dev);
-  if (moe_detail::grouped_threshold(options) <= max_tokens &&
+  if (moe_detail::grouped_threshold(options, g) <= max_tokens &&
       moe_detail::grouped_shape_ok(g.hidden, g.intermediate))
     b.caps_.grouped_kernels = moe_detail::configure_grouped_kernels(dev);
   b.weights_ = &w;
@@ -429,6 +429,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
                                        plan.programmatic_launch, b.stream_);
     gp.a = permuted;
   }
+  gp.tile_group = plan.tile_group;
   if (grouped)
     moe_detail::launch_grouped(p.format, true, plan.token_tile, g.experts, gp, b.stream_);
   else
