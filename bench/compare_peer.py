@@ -145,7 +145,9 @@ def main(argv=None):
         "ratio = csfmoe us / humming us (< 1: csfmoe faster). % roof = roofline us / us, the roofline being "
         "csfmoe's (bytes of the distinct experts touched / measured copy bandwidth). TFLOP/s from "
         "2 * T * k * 3 * H * N. humming us is the whole layer call (alignment, GEMM1, SiLU * up, GEMM2, combine); "
-        "'humming kernels' its GEMMs and activation alone.\n"
+        "'humming kernels' its GEMMs and activation alone, a lower bound for humming (no alignment, no "
+        "combine): the like-for-like number is 'humming us' (csfmoe's call includes routing, the permute, "
+        "both GEMMs and the combine; vLLM's router top-k is the one piece 'humming us' lacks).\n"
     )
     groups = sorted({(k[0], k[1]) for k in keys}, key=lambda g: (str(g[0]), str(g[1])))
     has_grouped = bool(grouped)

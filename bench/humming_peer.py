@@ -26,10 +26,13 @@ This script builds the layer the way vLLM does and times one layer call:
             expert_first_token_offset), grouped-contiguous GEMMs, the combine
             gathering through the inverse permutation [vLLM: moe_permute/unpermute].
             The bracketed vLLM helpers are vLLM CUDA ops that cannot be installed
-            on the device (no vLLM wheel there): one-kernel Triton equivalents
-            stand in for them (--helpers torch: plain torch ops instead).
+            on the device (no vLLM wheel there): one grid-parallel Triton kernel
+            each stands in for them (--helpers torch: plain torch ops instead).
             Tile configs: HummingMethod.get_default_tuning_configs (humming's
-            heuristics, the table vLLM passes), the interval of shape_m = T * k.
+            heuristics, the table vLLM passes); both GEMMs launch at
+            valid_shape_m = T * k. --tables used (default) passes the entries the
+            run launches plus the one holding shape_m = 1, which humming's
+            launcher looks up on every launch; --tables full the whole table.
   timing    a CUDA graph of one layer call (plain launches timed with events when
             capture fails; the output says which); before each replay (untimed)
             the routing ids and weights of the next of the 8 draws are copied in,
@@ -134,13 +137,59 @@ def distinct_experts(ids, tokens: int, topk: int) -> float:
     return sum(len(set(ids[d * per : (d + 1) * per])) for d in range(N_DRAWS)) / N_DRAWS
 
 
-def find_interval(configs, shape_m: int):
-    """The [min, max, config] entry of a humming tuning table holding shape_m (min < m <= max)."""
-    for entry in configs:
+def launcher_pick(table, shape_m: int):
+    """The entry of a humming tuning table [[min, max, config], ...] the launcher runs at shape_m.
+
+    humming's launcher (csrc/launcher/launcher.cpp, find_kernel_configs_target_index): the
+    first entry with min < shape_m <= max, a max <= 0 meaning unbounded; None when none holds it
+    (the launcher then fails with "shape_m is not within any range defined in configs").
+    """
+    for entry in table:
         lo, hi = entry[0], entry[1]
+        hi = hi if hi > 0 else 1 << 30
         if lo < shape_m <= hi:
             return entry
-    raise ValueError(f"no humming tuning interval holds shape_m = {shape_m}")
+    return None
+
+
+def find_interval(table, shape_m: int):
+    """launcher_pick, raising ValueError when no entry holds shape_m."""
+    entry = launcher_pick(table, shape_m)
+    if entry is None:
+        raise ValueError(f"no humming tuning interval holds shape_m = {shape_m}")
+    return entry
+
+
+# Every launch first looks up the entry holding shape_m = 1 (launch_kernel_impl:
+# find_registered_kernel_data(configs, 1), for the kernel's GEMM type), then the one holding
+# valid_shape_m. A table must therefore always hold shape_m = 1.
+LAUNCHER_PROBE_M = 1
+
+
+def tuning_subset(table, shape_ms):
+    """The entries of a full tuning table that launches at these shape_m touch, in table order.
+
+    vLLM passes the whole table (json.dumps(get_default_tuning_configs(...))) and humming
+    compiles every entry at the first call; this subset compiles only the entries the run
+    launches, plus the one holding shape_m = 1 that the launcher probes on every launch. The
+    kernel each launch runs is the same as with the whole table (check_subset says so).
+    """
+    wanted = {LAUNCHER_PROBE_M, *shape_ms}
+    picked = {id(launcher_pick(table, m)) for m in wanted if launcher_pick(table, m) is not None}
+    return [list(entry) for entry in table if id(entry) in picked]
+
+
+def check_subset(table, subset, shape_ms):
+    """None, or why the subset would fail or run another kernel than the whole table at some shape_m."""
+    for m in (LAUNCHER_PROBE_M, *shape_ms):
+        full, sub = launcher_pick(table, m), launcher_pick(subset, m)
+        if sub is None:
+            return f"shape_m {m} is in no interval of the table passed"
+        if full is None or list(full) != list(sub):
+            return f"shape_m {m}: the table passed picks ({sub[0]}, {sub[1]}], the whole table " + (
+                "none" if full is None else f"({full[0]}, {full[1]}]"
+            )
+    return None
 
 
 def tile_text(config: dict) -> str:
@@ -159,11 +208,36 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+def scratch_size(experts: int) -> int:
+    """int32 scratch of the Triton alignment: cursors, bases, counts (next_pow2(E) each), a counter."""
+    return 3 * next_pow2(experts) + 1
+
+
 def indexed_sizes(n: int, experts: int, block: int) -> tuple[int, int]:
     """(sorted_ids length, expert_ids length) of an alignment: vLLM's bound, rounded to blocks."""
     length = n + experts * (block - 1)
     length = (length + block - 1) // block * block
     return length, length // block
+
+
+def plan_tables(tables, topk, tokens, mode="used"):
+    """Per T the entry each GEMM launches, and per GEMM the JSON tuning table passed to humming.
+
+    tables: sub ("w13", "w2") -> humming's full table (get_default_tuning_configs). Both GEMMs
+    launch at valid_shape_m = T * k (vLLM's estimate_local_valid_shape_m; GEMM2 has top_k = 1
+    but the same valid_shape_m), indexed and grouped alike. mode "full" passes the whole table
+    as vLLM does, "used" tuning_subset. Raises when a launch would fail or pick another kernel.
+    """
+    shape_ms = [T * topk for T in tokens]
+    entries = {T: {sub: find_interval(tables[sub], T * topk) for sub in tables} for T in tokens}
+    tuning_json = {}
+    for sub in ("w13", "w2"):
+        passed = [list(e) for e in tables[sub]] if mode == "full" else tuning_subset(tables[sub], shape_ms)
+        bad = check_subset(tables[sub], passed, shape_ms)
+        if bad:
+            raise RuntimeError(f"{sub} tuning table: {bad}")
+        tuning_json[sub] = json.dumps(passed)
+    return entries, tuning_json
 
 
 # ----------------------------------------------------------------------------
@@ -172,6 +246,7 @@ def indexed_sizes(n: int, experts: int, block: int) -> tuple[int, int]:
 
 
 def make_triton_helpers():
+    import torch
     import triton
     import triton.language as tl
 
@@ -192,50 +267,76 @@ def make_triton_helpers():
         BLOCK_E: tl.constexpr,
         CHUNK: tl.constexpr,
         BCHUNK: tl.constexpr,
+        BPAD: tl.constexpr,
         INDEXED: tl.constexpr,
     ):
-        # One program. scratch: counts [BLOCK_E] then cursors [BLOCK_E] (int32).
+        # Grid-parallel: program p places the slots [p * CHUNK, (p + 1) * CHUNK) and fills
+        # its share of the blocks. scratch (int32, scratch_size(E)): cursors [BLOCK_E] (zero
+        # between calls), then bases [BLOCK_E], counts [BLOCK_E], a done counter [1].
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
         offs_e = tl.arange(0, BLOCK_E)
-        counts_ptr = scratch_ptr
-        cursor_ptr = scratch_ptr + BLOCK_E
-        tl.store(counts_ptr + offs_e, tl.zeros([BLOCK_E], dtype=tl.int32))
-        if INDEXED:
-            for s in range(0, sorted_len, CHUNK):
-                o = s + tl.arange(0, CHUNK)
-                tl.store(sorted_ptr + o, tl.zeros([CHUNK], dtype=tl.int32) + n, mask=o < sorted_len)
-        tl.debug_barrier()
+        cursor_ptr = scratch_ptr
+        base_ptr = scratch_ptr + BLOCK_E
+        cnt_ptr = scratch_ptr + 2 * BLOCK_E
+        done_ptr = scratch_ptr + 3 * BLOCK_E
+        # Every program counts all n ids itself (n * 8 bytes from L2): no grid-wide sync.
+        cnt = tl.zeros([BLOCK_E], dtype=tl.int32)
         for s in range(0, n, CHUNK):
             o = s + tl.arange(0, CHUNK)
             m = o < n
             e = tl.load(ids_ptr + o, mask=m, other=0).to(tl.int32)
-            tl.atomic_add(counts_ptr + e, tl.full([CHUNK], 1, tl.int32), mask=m)
-        tl.debug_barrier()
-        cnt = tl.load(counts_ptr + offs_e, volatile=True)
+            h = tl.histogram(e, BLOCK_E)
+            cnt += h - tl.where(offs_e == 0, CHUNK - tl.sum(m.to(tl.int32), axis=0), 0)
         padded = (cnt + (B - 1)) // B * B
         cum = tl.cumsum(padded, axis=0)
-        tl.store(cursor_ptr + offs_e, cum - padded)
-        if INDEXED:
-            tl.store(total_ptr, tl.sum(padded, axis=0))
-        else:
-            tl.store(offsets_ptr + offs_e + 1, cum.to(tl.int64), mask=offs_e < E)
-            tl.store(offsets_ptr + offs_e, tl.zeros([BLOCK_E], dtype=tl.int64), mask=offs_e == 0)
-        tl.debug_barrier()
-        for s in range(0, n, CHUNK):
-            o = s + tl.arange(0, CHUNK)
-            m = o < n
-            e = tl.load(ids_ptr + o, mask=m, other=0).to(tl.int32)
-            dest = tl.atomic_add(cursor_ptr + e, tl.full([CHUNK], 1, tl.int32), mask=m)
+        base = cum - padded
+        # Identical values from every program; read back below for the per-slot gathers.
+        tl.store(base_ptr + offs_e, base)
+        tl.store(cnt_ptr + offs_e, cnt)
+        if pid == 0:
             if INDEXED:
-                tl.store(sorted_ptr + dest, o.to(tl.int32), mask=m)
+                tl.store(total_ptr, tl.sum(padded, axis=0))
             else:
-                tl.store(inv_ptr + o, dest, mask=m)
+                tl.store(offsets_ptr + offs_e + 1, cum.to(tl.int64), mask=offs_e < E)
+                tl.store(offsets_ptr + offs_e, tl.zeros([BLOCK_E], dtype=tl.int64), mask=offs_e == 0)
+        tl.debug_barrier()
+        # This program's slots: rank within the expert from the shared cursors.
+        o = pid * CHUNK + tl.arange(0, CHUNK)
+        m = o < n
+        e = tl.load(ids_ptr + o, mask=m, other=0).to(tl.int32)
+        rank = tl.atomic_add(cursor_ptr + e, tl.full([CHUNK], 1, tl.int32), mask=m)
+        dest = tl.load(base_ptr + e, mask=m, other=0) + rank
         if INDEXED:
-            # Block b belongs to the first expert whose padded end lies past b * B.
-            for s in range(0, num_blocks, BCHUNK):
+            tl.store(sorted_ptr + dest, o.to(tl.int32), mask=m)
+        else:
+            tl.store(inv_ptr + o, dest, mask=m)
+        if INDEXED:
+            # This program's blocks: the owning expert (E - 1 past the end, as vLLM) and the
+            # sentinel n in every padding position (positions of real slots are left alone).
+            per = (num_blocks + nprog - 1) // nprog
+            b_lo = pid * per
+            b_hi = tl.minimum(b_lo + per, num_blocks)
+            total = tl.sum(padded, axis=0)
+            for s in range(b_lo, b_hi, BCHUNK):
                 b = s + tl.arange(0, BCHUNK)
+                bm = b < b_hi
                 before = (cum[None, :] <= (b * B)[:, None]) & (offs_e < E)[None, :]
                 eid = tl.minimum(tl.sum(before.to(tl.int32), axis=1), E - 1)
-                tl.store(expert_ids_ptr + b, eid, mask=b < num_blocks)
+                tl.store(expert_ids_ptr + b, eid, mask=bm)
+                eb = tl.load(base_ptr + eid, mask=bm, other=0)
+                ec = tl.load(cnt_ptr + eid, mask=bm, other=0)
+                j = tl.arange(0, BPAD)
+                pos = (b * B)[:, None] + j[None, :]
+                pad = (pos >= total) | (pos - eb[:, None] >= ec[:, None])
+                pm = bm[:, None] & (j < B)[None, :] & pad & (pos < sorted_len)
+                tl.store(sorted_ptr + pos, tl.zeros([BCHUNK, BPAD], dtype=tl.int32) + n, mask=pm)
+        # The last program to finish zeroes the cursors for the next call.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(done_ptr, 1)
+        if ticket == nprog - 1:
+            tl.store(cursor_ptr + offs_e, tl.zeros([BLOCK_E], dtype=tl.int32))
+            tl.atomic_xchg(done_ptr, 0)
 
     @triton.jit
     def _moe_combine_kernel(
@@ -267,20 +368,22 @@ def make_triton_helpers():
     def align(ids_flat, experts, block, scratch, sorted_ids=None, expert_ids=None, total=None, inv=None, offsets=None):
         n = ids_flat.numel()
         block_e = next_pow2(experts)
-        assert scratch.numel() >= 2 * block_e and scratch.dtype.is_floating_point is False
+        assert scratch.numel() >= scratch_size(experts) and scratch.dtype == torch.int32
         indexed = sorted_ids is not None
         if indexed:
             args = (sorted_ids, sorted_ids.numel(), expert_ids, expert_ids.numel(), total, scratch, scratch)
         else:
             args = (scratch, 0, scratch, 0, scratch, inv, offsets)
-        _moe_align_kernel[(1,)](
+        _moe_align_kernel[(triton.cdiv(n, chunk),)](
             ids_flat, n, scratch, *args,
-            E=experts, B=block, BLOCK_E=block_e, CHUNK=chunk, BCHUNK=16, INDEXED=indexed, num_warps=4,
+            E=experts, B=block, BLOCK_E=block_e, CHUNK=chunk, BCHUNK=16, BPAD=next_pow2(block),
+            INDEXED=indexed, num_warps=8,
         )
 
     def combine(down, weights, out, tokens, topk, rows=None):
         hidden = out.size(-1)
-        block_h = 1024
+        # Bandwidth-bound (k rows read per output row); at small T smaller slices for more CTAs.
+        block_h = 1024 if tokens * triton.cdiv(hidden, 1024) >= 256 else 256
         grid = (tokens, triton.cdiv(hidden, block_h))
         _moe_combine_kernel[grid](
             down, rows if rows is not None else weights, weights, out, hidden,
@@ -333,7 +436,7 @@ def probe_helpers(torch, helpers, device):
         gen.manual_seed(1)
         experts, tokens, topk, block = 96, 37, 8, 16
         ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).view(-1).to(device)
-        scratch = torch.zeros(2 * next_pow2(experts), dtype=torch.int32, device=device)
+        scratch = torch.zeros(scratch_size(experts), dtype=torch.int32, device=device)
         length, nblocks = indexed_sizes(ids.numel(), experts, block)
         bufs = {
             "sorted_ids": torch.empty(length, dtype=torch.int32, device=device),
@@ -623,7 +726,7 @@ class LayerCall:
         self.act = torch.empty((n, N), dtype=torch.bfloat16, device=dev)
         self.down = torch.empty((n, H), dtype=torch.bfloat16, device=dev)
         self.out = torch.empty((tokens, H), dtype=torch.bfloat16, device=dev)
-        self.scratch = torch.zeros(2 * next_pow2(E), dtype=torch.int32, device=dev)
+        self.scratch = torch.zeros(scratch_size(E), dtype=torch.int32, device=dev)
         self.compute_config = json.dumps(
             {
                 "use_batch_invariant": False,
@@ -828,6 +931,12 @@ def parse_args(argv):
                    help="humming MoE GEMM layout: indexed (vLLM's default), grouped (grouped-contiguous), both")
     p.add_argument("--helpers", default="triton", choices=("triton", "torch"),
                    help="stand-ins for vLLM's alignment/permute and combine ops (default triton, one kernel each)")
+    p.add_argument(
+        "--tables", default="used", choices=("used", "full"),
+        help="tuning table passed to humming: the entries the run launches plus the one holding shape_m = 1 "
+        "(used, default: fewer JIT compiles) or the whole table as vLLM passes it (full); the kernel each "
+        "launch runs is the same",
+    )
     p.add_argument("--distinct", type=int, default=16, help="distinct experts replicated into the E slots")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--device", default="cuda:0")
@@ -978,19 +1087,11 @@ def main(argv=None):
                         continue
                 try:
                     tables = moe.tuning_tables(gemm)
+                    entries, tuning_json = plan_tables(tables, k, present, args.tables)
                 except Exception as e:
                     traceback.print_exc()
                     failures.append(f"{key} {fmt} {gemm}: tuning tables: {type(e).__name__}: {e}")
                     continue
-                # The intervals of every T run here, compiled together at the first call.
-                entries = {T: {sub: find_interval(tables[sub], T * k) for sub in tables} for T in present}
-                tuning_json = {}
-                for sub in ("w13", "w2"):
-                    seen = {}
-                    for T in present:
-                        e = entries[T][sub]
-                        seen[(e[0], e[1])] = e
-                    tuning_json[sub] = json.dumps([list(seen[key_]) for key_ in sorted(seen)])
                 print(f"-- {gemm} GEMM; tile per T: block MxNxK, stages, sk = stream-K, c = CTAs per SM, ws = warp-specialized")
                 print(
                     f"{'T':>6} {'experts':>7} {'us':>9} {'us_humm':>9} {'graph':>5} {'rel_err':>9}  "
@@ -1046,7 +1147,7 @@ def run_point(torch, args, moe, T, gemm, helpers, tuning_json, entries, ids_h, w
         "tokens": T, "gemm": gemm, "experts": distinct_experts(ids_h, T, k), "iters": iters,
         "w13_config": entries["w13"][2], "w2_config": entries["w2"][2],
         "w13_tile": tile_text(entries["w13"][2]), "w2_tile": tile_text(entries["w2"][2]),
-        "align": call.align_text(), "rel_err": None, "graph": False,
+        "align": call.align_text(), "rel_err": None, "graph": False, "tables": args.tables,
     }
 
     def select(d):
