@@ -77,6 +77,11 @@ struct MoeBindOptions {
   // are reused from L2); 0 (the default) = 8; a value >= the call's tiles
   // walks each row block over all tiles.
   std::uint32_t grouped_tile_group = 0;
+  // The grouped down GEMM writes each routed slot's output as bf16 (half the
+  // bytes of FP32, for it and for the combine, which still sums the slots in
+  // FP32 in slot order); true keeps FP32 slots, as the other kernels always
+  // do (results differ in the last bits of the bf16 output).
+  bool grouped_fp32_slots = false;
   // On sm_90 and newer, launch the layer's kernels as programmatic dependents
   // of the one before (PDL): each may start while the previous one drains,
   // and the down GEMM streams its first weights before gate/up has finished.
@@ -120,8 +125,10 @@ struct MoeCallPlan {
   // Grouped kernel: routed rows per token tile (16, 32, 64 or 128); 0 for
   // the other kernels.
   std::uint32_t token_tile = 0;
-  // Grouped kernel: token tiles per raster group of its work list.
+  // Grouped kernel: token tiles per raster group of its work list, and
+  // whether the per-slot down outputs are bf16 (else FP32).
   std::uint32_t tile_group = 0;
+  bool bf16_slots = false;
   MoeDecodeShape gate_up, down;  // decode kernel only
   bool programmatic_launch = false;
 };

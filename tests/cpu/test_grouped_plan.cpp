@@ -229,6 +229,7 @@ TEST(GroupedPlan, CallPlanChoosesTheGroupedKernelFromEightRowsPerExpert) {
     EXPECT_EQ(p.kernel, MoeKernel::grouped);
     EXPECT_EQ(p.token_tile, grouped_token_tile(t, 8, 256, 0));
     EXPECT_EQ(p.tile_group, kGroupedDefaultTileGroup);
+    EXPECT_TRUE(p.bf16_slots);
     EXPECT_EQ(p.token_pass, 0u);
   }
   o.grouped_min_tokens = 128;
@@ -246,8 +247,13 @@ TEST(GroupedPlan, CallPlanChoosesTheGroupedKernelFromEightRowsPerExpert) {
   EXPECT_EQ(plan_call(native, old, 4096, false, false, o).kernel, MoeKernel::prefill);
   const MoePlan odd = plan_of(ScaleCompression::none, {16, 384, 256, 4, GateUpOrder::w13});
   EXPECT_NE(plan_call(odd, h200(), 4096, false, false, o).kernel, MoeKernel::grouped);
+  o.grouped_fp32_slots = true;
+  EXPECT_FALSE(plan_call(native, h200(), 8192, false, false, o).bf16_slots);
   o.grouped_min_tokens = 0xFFFFFFFFu;
   EXPECT_EQ(plan_call(native, h200(), 8192, false, false, o).kernel, MoeKernel::prefill);
+  EXPECT_FALSE(plan_call(native, h200(), 8192, false, false, o).bf16_slots);  // FP32 off the grouped kernel
+  o.grouped_fp32_slots = false;
+  EXPECT_FALSE(plan_call(native, h200(), 8192, false, false, o).bf16_slots);
   o.grouped_min_tokens = 0;
   // A requested tile and raster group.
   o.grouped_token_tile = 64;

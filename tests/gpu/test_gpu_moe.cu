@@ -260,10 +260,11 @@ MoeBindOptions options_for(MoeScaleMode mode, MoeKernel kernel) {
 
 std::vector<std::uint16_t> run_mode(const Layer& l, MoeScaleMode mode, const Inputs& in, Call& call,
                                     cudaStream_t s = nullptr, MoeKernel kernel = MoeKernel::decode,
-                                    std::uint32_t token_tile = 0) {
+                                    std::uint32_t token_tile = 0, bool fp32_slots = false) {
   const MoeWeights& w = l.weights_for(mode);
   MoeBindOptions opt = options_for(mode, kernel);
   opt.grouped_token_tile = token_tile;
+  opt.grouped_fp32_slots = fp32_slots;
   const BoundMoe b = bind(w, s, call.max_tokens, call.workspace(), mode == MoeScaleMode::expanded, opt);
   EXPECT_EQ(b.mode_for(in.tokens), mode);
   EXPECT_EQ(b.kernel_for(in.tokens), expected_kernel(l.host.geometry, mode, kernel));
@@ -487,6 +488,12 @@ TEST_F(GpuMoe, GroupedKernelEveryTokenTileUniformAndSkewedRouting) {
             else
               EXPECT_TRUE(out == first) << "differs bitwise from native";
           }
+          // FP32 per-slot outputs instead of bf16: the same bound, other last bits.
+          SCOPED_TRACE("fp32 slots, tile " + std::to_string(nt));
+          const auto f32 = run_mode(l, MoeScaleMode::native, in, call, nullptr, MoeKernel::grouped, std::uint32_t(nt),
+                                    /*fp32_slots=*/true);
+          EXPECT_LT(relative_error(to_float(f32), ref), 1e-2);
+          EXPECT_LT(relative_error(to_float(f32), to_float(first)), 1e-2);
         }
       }
     }

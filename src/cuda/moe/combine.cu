@@ -1,6 +1,7 @@
-// Weighted combine: out[t] = sum over slots j in order of w[t, j] * y[t*k + j].
-// One thread owns 4 consecutive outputs of one token, so the sum order is
-// fixed and the result identical run to run (no atomics).
+// Weighted combine: out[t] = sum over slots j in order of w[t, j] * y[t*k + j],
+// y the per-slot outputs in FP32 or bf16 (the grouped kernel's), summed in
+// FP32. One thread owns 4 consecutive outputs of one token, so the sum order
+// is fixed and the result identical run to run (no atomics).
 #include <cuda_bf16.h>
 
 #include "cuda/primitives/launch.cuh"
@@ -12,7 +13,20 @@ namespace {
 
 constexpr int kCombineThreads = 256;
 
-template <typename Id>
+// The 4 per-slot outputs at y + h, as floats.
+template <bool Bf16>
+__device__ __forceinline__ float4 slot_values(const CombineParams& p, std::uint64_t at) {
+  if constexpr (Bf16) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p.slot_out16 + at);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+  } else {
+    return *reinterpret_cast<const float4*>(p.slot_out + at);
+  }
+}
+
+template <typename Id, bool Bf16>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams p) {
   // Not allow_dependent_launch(): the caller's next kernel, and the next
   // call's routing, start only when the combine has finished.
@@ -27,8 +41,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
     const long long id = static_cast<long long>(ids[j]);
     if (id < 0 || id >= p.experts) continue;  // counted by the routing kernel
     const float w = wt[j];
-    const float4 y =
-        *reinterpret_cast<const float4*>(p.slot_out + (std::uint64_t{t} * p.topk + j) * p.hidden + h);
+    const float4 y = slot_values<Bf16>(p, (std::uint64_t{t} * p.topk + j) * p.hidden + h);
     acc.x = fmaf(w, y.x, acc.x);
     acc.y = fmaf(w, y.y, acc.y);
     acc.z = fmaf(w, y.z, acc.z);
@@ -46,8 +59,12 @@ using CombineFn = void (*)(const CombineParams&, cudaStream_t);
 template <typename Id>
 void combine(const CombineParams& p, cudaStream_t stream) {
   const dim3 grid(p.tokens, (p.hidden / 4 + kCombineThreads - 1) / kCombineThreads);
-  launch_kernel("moe combine kernel", p.chained, &combine_kernel<Id>, grid, dim3(kCombineThreads), 0, stream,
-                p);
+  if (p.slot_out16 != nullptr)
+    launch_kernel("moe combine kernel", p.chained, &combine_kernel<Id, true>, grid, dim3(kCombineThreads), 0,
+                  stream, p);
+  else
+    launch_kernel("moe combine kernel", p.chained, &combine_kernel<Id, false>, grid, dim3(kCombineThreads), 0,
+                  stream, p);
 }
 constexpr CombineFn kCombine[2] = {&combine<std::int32_t>, &combine<std::int64_t>};
 

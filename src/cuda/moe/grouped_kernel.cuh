@@ -24,7 +24,8 @@
 //    kernel's E2M1 conversion and LaneScales, whose words each consumer
 //    thread loads itself two K blocks ahead.
 //  * Epilogues. gate/up: SiLU(gate) * up to bf16, written per routed slot in
-//    the down projection's K order; down: FP32 per slot for the combine.
+//    the down projection's K order; down: bf16 per slot (FP32 on request)
+//    for the combine, which sums in FP32 in slot order.
 #pragma once
 
 #include <cuda.h>
@@ -247,6 +248,11 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
             const __nv_bfloat16 y = __float2bfloat16_rn(SiluMul::apply(r0, r1));
             p.act[std::uint64_t(slot) * p.n + prefill_permuted_column(o)] =
                 *reinterpret_cast<const std::uint16_t*>(&y);
+          } else if (p.slot_out16 != nullptr) {
+            std::uint16_t* out = p.slot_out16 + std::uint64_t(slot) * p.out_rows;
+            const __nv_bfloat16 y0 = __float2bfloat16_rn(r0), y1 = __float2bfloat16_rn(r1);
+            out[o] = *reinterpret_cast<const std::uint16_t*>(&y0);
+            out[o + 8] = *reinterpret_cast<const std::uint16_t*>(&y1);
           } else {
             float* out = p.slot_out + std::uint64_t(slot) * p.out_rows;
             out[o] = r0;

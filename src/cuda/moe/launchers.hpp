@@ -74,8 +74,10 @@ struct GemmParams {
   std::uint32_t n = 0;
   std::uint32_t gate_row0 = 0, up_row0 = 0;
   std::uint16_t* act = nullptr;
-  // down: per-slot outputs [T * k, H] f32.
+  // down: per-slot outputs [T * k, H] f32, or bf16 where slot_out16 is set
+  // (grouped kernel).
   float* slot_out = nullptr;
+  std::uint16_t* slot_out16 = nullptr;
   bool chained = false;  // programmatic dependent launch (launch.cuh)
   // Decode kernel: row blocks each block streams in turn (its launcher copies
   // decode.row_block_run here).
@@ -125,7 +127,8 @@ void launch_grouped(ScaleFormat f, bool gate_up, std::uint32_t token_tile, std::
                     const GemmParams& p, cudaStream_t stream);
 
 struct CombineParams {
-  const float* slot_out = nullptr;
+  const float* slot_out = nullptr;         // per-slot outputs, f32 ...
+  const std::uint16_t* slot_out16 = nullptr;  // ... or bf16 where set
   const void* ids = nullptr;
   const float* weights = nullptr;
   std::uint16_t* out = nullptr;  // bf16 [T, H]

@@ -446,6 +446,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   dp.act = nullptr;
   dp.slot_out = slot_out;
   dp.decode = plan.down;
+  if (plan.bf16_slots) dp.slot_out16 = reinterpret_cast<std::uint16_t*>(slot_out);
   if (grouped)
     moe_detail::launch_grouped(p.format, false, plan.token_tile, g.experts, dp, b.stream_);
   else
@@ -453,6 +454,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
 
   moe_detail::CombineParams cp;
   cp.slot_out = slot_out;
+  cp.slot_out16 = dp.slot_out16;
   cp.ids = topk_ids;
   cp.weights = topk_weights;
   cp.out = static_cast<std::uint16_t*>(out);
