@@ -629,6 +629,7 @@ int main(int argc, char** argv) {
         opt.tuning = args.tuning;
         opt.force_mode = modes[m >= 4 ? 0 : m];
         if (m == 7) opt.programmatic_launch = false;
+        if (m >= 4 && m <= 6) opt.grouped_min_tokens = 0xFFFFFFFFu;  // the forced kernel, not the grouped one
         if (m == 4 || m == 5) opt.prefill_min_tokens = 0xFFFFFFFFu;
         if (m == 6) opt.prefill_min_tokens = 1;
         if (m == 4) opt.decode_max_tokens = 0;
