@@ -74,8 +74,8 @@ struct MoeBindOptions {
   std::uint32_t grouped_token_tile = 0;
   // The grouped kernel's work order: token tiles per raster group (each
   // group's row blocks run over its tiles, so activation rows and weights
-  // are reused from L2); 0 (the default) = 8; a value >= the call's tiles
-  // walks each row block over all tiles.
+  // are reused from L2); 0 (the default) = 1, each tile's row blocks back to
+  // back; a value >= the call's tiles walks each row block over all tiles.
   std::uint32_t grouped_tile_group = 0;
   // The grouped down GEMM writes each routed slot's output as bf16 (half the
   // bytes of FP32, for it and for the combine, which still sums the slots in

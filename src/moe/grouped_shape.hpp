@@ -81,8 +81,12 @@ constexpr GroupedItem grouped_item(std::uint32_t item, std::uint32_t tiles, std:
   const std::uint32_t in = item - g * per_group;
   return {first + in % width, in / width};
 }
-// Tiles per raster group when the options leave it to the plan.
-constexpr std::uint32_t kGroupedDefaultTileGroup = 8;
+// Tiles per raster group when the options leave it to the plan: 1, each
+// tile's row blocks back to back (its activation rows come from DRAM about
+// once). Measured on the H100 (bench/RESULTS.md, "Grouped kernel"): within
+// 1.5 % of groups of 8 up to T = 4096 and 2-8 % faster at 8192; one group
+// over all tiles (row block major) 3-12 % slower.
+constexpr std::uint32_t kGroupedDefaultTileGroup = 1;
 
 // Fragment map of a consumer thread (warpgroup wg 0..1 of the consumers,
 // warp wi 0..3 in it, lane group g = lane / 4): the output (gate/up) or row
