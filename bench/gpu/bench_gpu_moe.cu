@@ -766,22 +766,24 @@ int main(int argc, char** argv) {
         std::printf("\n");
       }
       for (const GroupedRun& r : grouped)
-        std::printf("%6s grouped tile %3u group %3u: %.1f us = %.1f%% of roofline, %.1f TFLOP/s, x%.2f vs the bound "
-                    "kernel; rel. diff to decode %.2e\n",
-                    "", r.tile, r.group, r.us, 100.0 * roof_native / r.us, flops / (r.us * 1e-6) / 1e12, us[0] / r.us,
-                    r.vs_decode);
+        std::printf(
+            "%6s grouped tile %3u group %3u: %.1f us = %.1f%% of roofline, %.1f TFLOP/s, x%.2f vs the bound "
+            "kernel; rel. diff to decode %.2e\n",
+            "", r.tile, r.group, r.us, 100.0 * roof_native / r.us, flops / (r.us * 1e-6) / 1e12, us[0] / r.us,
+            r.vs_decode);
       if (!grouped.empty())
         std::printf("%6s grouped routed (CSF): %.1f us%s\n", "", grouped_routed_us,
                     grouped_same ? ", bitwise equal to native" : "  GROUPED MODES DIFFER");
       if (json)
         for (const GroupedRun& r : grouped)
-          std::fprintf(json,
-                       "{\"bench\":\"moe_grouped\",\"shape\":\"%s\",\"format\":\"%s\",\"T\":%u,\"tile\":%u,"
-                       "\"group\":%u,\"us\":%.2f,\"roof_native_us\":%.2f,\"flops\":%.4g,\"bound_kernel\":\"%s\","
-                       "\"bound_us\":%.2f,\"routed_us\":%.2f,\"modes_identical\":%s,\"rel_diff_decode\":%.3g}\n",
-                       shape.name.c_str(), std::string(to_string(args.format)).c_str(), T, r.tile, r.group, r.us,
-                       roof_native, flops, kernel.c_str(), us[0], grouped_routed_us, grouped_same ? "true" : "false",
-                       r.vs_decode);
+          std::fprintf(
+              json,
+              "{\"bench\":\"moe_grouped\",\"shape\":\"%s\",\"format\":\"%s\",\"T\":%u,\"tile\":%u,"
+              "\"group\":%u,\"us\":%.2f,\"roof_native_us\":%.2f,\"flops\":%.4g,\"bound_kernel\":\"%s\","
+              "\"bound_us\":%.2f,\"routed_us\":%.2f,\"modes_identical\":%s,\"rel_diff_decode\":%.3g}\n",
+              shape.name.c_str(), std::string(to_string(args.format)).c_str(), T, r.tile, r.group, r.us,
+              roof_native, flops, kernel.c_str(), us[0], grouped_routed_us, grouped_same ? "true" : "false",
+              r.vs_decode);
       if (json)
         std::fprintf(json,
                      "{\"bench\":\"moe_layer\",\"shape\":\"%s\",\"format\":\"%s\",\"T\":%u,\"experts\":%.2f,"

@@ -50,8 +50,9 @@ void validate(const MoeDecodeTuning& t) {
 void validate(const MoeBindOptions& o) {
   validate(o.tuning);
   if (o.grouped_token_tile != 0 && !moe_detail::grouped_token_tile_valid(o.grouped_token_tile))
-    throw InvalidArgument(fmt::format(
-        "MoeBindOptions.grouped_token_tile is {}: allowed 0 (auto), 16, 32, 64 or 128", o.grouped_token_tile));
+    throw InvalidArgument(
+        fmt::format("MoeBindOptions.grouped_token_tile is {}: allowed 0 (auto), 16, 32, 64 or 128",
+                    o.grouped_token_tile));
 }
 
 namespace moe_detail {

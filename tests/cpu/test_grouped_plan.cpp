@@ -72,7 +72,7 @@ TEST(GroupedPlan, SharedMemoryFitsAndKeepsTheSwizzleAlignment) {
     EXPECT_LE(s.total, kGroupedSmemLimit);
     EXPECT_GE(s.stages, 4u);  // deep enough to keep HBM busy
     EXPECT_LE(s.stages, kGroupedMaxStages);
-    EXPECT_EQ(s.stage_bytes % 1024, 0u);            // 128-byte swizzle atoms of every stage
+    EXPECT_EQ(s.stage_bytes % 1024, 0u);              // 128-byte swizzle atoms of every stage
     EXPECT_EQ(s.act_bytes, std::uint32_t(nt) * 256);  // two 64-K halves of nt rows of 128 bytes
     EXPECT_EQ(s.barriers, s.stages * s.stage_bytes);
     EXPECT_EQ(s.barriers % 8, 0u);
@@ -101,7 +101,7 @@ TEST(GroupedPlan, RoutedTilesBoundHoldsOnUniformAndSkewedDraws) {
         const std::uint64_t slots = std::uint64_t(t) * g.topk;
         for (std::uint64_t s = 0; s < slots; ++s) {
           std::uint32_t e = std::uint32_t(rng() % g.experts);
-          if (skew == 1 && rng() % 4 != 0) e = 0;  // one hot expert
+          if (skew == 1 && rng() % 4 != 0) e = 0;        // one hot expert
           if (skew == 2) e = std::uint32_t(s % g.topk);  // every token on experts 0..k-1
           count[e]++;
         }
@@ -113,7 +113,8 @@ TEST(GroupedPlan, RoutedTilesBoundHoldsOnUniformAndSkewedDraws) {
             padding += std::uint64_t(tiles[e]) * nt - count[e];
             EXPECT_LT(std::uint64_t(tiles[e]) * nt - count[e], std::uint64_t(nt));
           }
-          SCOPED_TRACE("T=" + std::to_string(t) + " skew=" + std::to_string(skew) + " tile=" + std::to_string(nt));
+          SCOPED_TRACE("T=" + std::to_string(t) + " skew=" + std::to_string(skew) +
+                       " tile=" + std::to_string(nt));
           EXPECT_LE(total, routed_tiles(slots, g.experts, std::uint32_t(nt)));
           EXPECT_EQ(total * nt, slots + padding);
           // The workspace sizes its tables for the smallest and largest classes.
@@ -129,8 +130,8 @@ TEST(GroupedPlan, WorkListCoversEveryItemOnceBalancedInRasterGroups) {
   for (std::uint32_t tiles : {1u, 5u, 131u, 132u, 133u, 1000u}) {
     for (std::uint32_t row_blocks : {1u, 16u, 28u}) {
       for (std::uint32_t group : {1u, 3u, 8u, 0xFFFFFFFFu}) {
-        SCOPED_TRACE("tiles " + std::to_string(tiles) + " row blocks " + std::to_string(row_blocks) + " group " +
-                     std::to_string(group));
+        SCOPED_TRACE("tiles " + std::to_string(tiles) + " row blocks " + std::to_string(row_blocks) +
+                     " group " + std::to_string(group));
         const std::uint32_t items = tiles * row_blocks, grid = 132;
         std::vector<int> seen(items, 0);
         std::uint32_t most = 0, fewest = ~0u;

@@ -465,7 +465,7 @@ TEST_F(GpuMoe, GroupedKernelEveryTokenTileUniformAndSkewedRouting) {
         if (skew) {
           const std::int64_t hot = std::int64_t(rng() % g.experts);
           for (std::size_t i = 0; i < in.ids.size(); i += g.topk)
-            if (rng() % 5 != 0) in.ids[i] = hot;  // the first choice of 80 % of the tokens
+            if (rng() % 5 != 0) in.ids[i] = hot;                   // the first choice of 80 % of the tokens
           for (std::size_t i = 0; i < in.ids.size(); i += g.topk)  // keep each token's ids distinct
             for (std::uint32_t j = 1; j < g.topk; ++j)
               if (in.ids[i + j] == in.ids[i]) in.ids[i + j] = (in.ids[i] + j) % g.experts;
@@ -474,8 +474,9 @@ TEST_F(GpuMoe, GroupedKernelEveryTokenTileUniformAndSkewedRouting) {
         for (int nt : moe_detail::kGroupedTokenTiles) {
           std::vector<std::uint16_t> first;
           for (MoeScaleMode m : {MoeScaleMode::native, MoeScaleMode::expanded, MoeScaleMode::routed}) {
-            SCOPED_TRACE(std::string(to_string(f)) + " T=" + std::to_string(T) + " skew=" + std::to_string(skew) +
-                         " tile=" + std::to_string(nt) + " mode " + std::string(to_string(m)));
+            SCOPED_TRACE(std::string(to_string(f)) + " T=" + std::to_string(T) +
+                         " skew=" + std::to_string(skew) + " tile=" + std::to_string(nt) + " mode " +
+                         std::string(to_string(m)));
             if (m == MoeScaleMode::routed) {
               check(cudaMemset(l.scratch13.p, 0xFF, l.scratch13.n), "scratch poison");
               check(cudaMemset(l.scratch2.p, 0xFF, l.scratch2.n), "scratch poison");
@@ -490,8 +491,9 @@ TEST_F(GpuMoe, GroupedKernelEveryTokenTileUniformAndSkewedRouting) {
           }
           // FP32 per-slot outputs instead of bf16: the same bound, other last bits.
           SCOPED_TRACE("fp32 slots, tile " + std::to_string(nt));
-          const auto f32 = run_mode(l, MoeScaleMode::native, in, call, nullptr, MoeKernel::grouped, std::uint32_t(nt),
-                                    /*fp32_slots=*/true);
+          const auto f32 =
+              run_mode(l, MoeScaleMode::native, in, call, nullptr, MoeKernel::grouped, std::uint32_t(nt),
+                       /*fp32_slots=*/true);
           EXPECT_LT(relative_error(to_float(f32), ref), 1e-2);
           EXPECT_LT(relative_error(to_float(f32), to_float(first)), 1e-2);
         }

@@ -4,8 +4,8 @@
 // is fixed and the result identical run to run (no atomics).
 #include <cuda_bf16.h>
 
-#include "cuda/primitives/launch.cuh"
 #include "cuda/moe/launchers.hpp"
+#include "cuda/primitives/launch.cuh"
 
 namespace csfmoe::moe_detail {
 

@@ -60,8 +60,8 @@ using DecodeTokenPasses =
     decltype(dispatch_detail::list_of<kDecodeTokenPasses>(std::make_index_sequence<kDecodeTokenPassCount>{}));
 using DecodeRingCopies = ValueList<1, 2>;  // K blocks per ring copy
 // Token tiles of the grouped kernel (kGroupedTokenTiles).
-using GroupedTokenTiles =
-    decltype(dispatch_detail::list_of<kGroupedTokenTiles>(std::make_index_sequence<kGroupedTokenTileCount>{}));
+using GroupedTokenTiles = decltype(dispatch_detail::list_of<kGroupedTokenTiles>(
+    std::make_index_sequence<kGroupedTokenTileCount>{}));
 
 static_assert(DecodeTokenPasses::size == 3 && int(GemmPath::decode_32) - int(GemmPath::decode_8) == 2,
               "one decode GemmPath per token pass");

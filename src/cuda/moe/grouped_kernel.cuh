@@ -152,8 +152,8 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
     std::uint32_t rows[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c)
-      rows[c] = GateUp ? (c % 2 == 0 ? p.gate_row0 : p.up_row0) + first + out_in_item(c / 2)
-                       : first + ring_row[c];
+      rows[c] =
+          GateUp ? (c % 2 == 0 ? p.gate_row0 : p.up_row0) + first + out_in_item(c / 2) : first + ring_row[c];
     const LaneScales<F, K> lane_scales(p.scales, expert_scales<K>(p.scales, e), rows, t);
     const auto load_words = [&](std::uint32_t kb) {
       uint4 v;
@@ -197,8 +197,8 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
         const int wd = step / 2, mt = step % 2;
         std::uint32_t(&a)[8] = frag[step % (kGroupedDepth + 1)];
         std::uint32_t lo[4], hi[4];
-        dequant_words<F>((&wq[2 * mt].x)[wd], sp[2 * mt][wd / 2], (&wq[2 * mt + 1].x)[wd], sp[2 * mt + 1][wd / 2],
-                         lo, hi);
+        dequant_words<F>((&wq[2 * mt].x)[wd], sp[2 * mt][wd / 2], (&wq[2 * mt + 1].x)[wd],
+                         sp[2 * mt + 1][wd / 2], lo, hi);
 #pragma unroll
         for (int j = 0; j < 4; ++j) a[j] = lo[j], a[4 + j] = hi[j];
         wgmma_fence();

@@ -45,7 +45,8 @@ CUtensorMap weight_map(const GemmParams& p, std::uint32_t experts) {
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     throw CudaError("grouped MoE GEMM: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) +
-                    ") for weights of " + std::to_string(dims[1]) + " x " + std::to_string(dims[0]) + " bytes");
+                    ") for weights of " + std::to_string(dims[1]) + " x " + std::to_string(dims[0]) +
+                    " bytes");
   return map;
 }
 
@@ -66,9 +67,8 @@ bool configure_grouped_kernels(int device) {
   // wgmma, setmaxnreg and TMA: this build's sm_90a code.
   if (prop.major != 9 || prop.minor != 0 || tensor_map_encoder() == nullptr) return false;
   bool fits = true;
-  for_each_value(GroupedTokenTiles{}, [&]<int NT>() {
-    fits = fits && prop.sharedMemPerBlockOptin >= grouped_smem(NT).total;
-  });
+  for_each_value(GroupedTokenTiles{},
+                 [&]<int NT>() { fits = fits && prop.sharedMemPerBlockOptin >= grouped_smem(NT).total; });
   if (!fits) return false;
   for_each_value(ScaleFormats{}, [&]<ScaleFormat F>() {
     for_each_value(DenseScaleKinds{}, [&]<ScaleKind K>() {

@@ -127,7 +127,7 @@ void launch_grouped(ScaleFormat f, bool gate_up, std::uint32_t token_tile, std::
                     const GemmParams& p, cudaStream_t stream);
 
 struct CombineParams {
-  const float* slot_out = nullptr;         // per-slot outputs, f32 ...
+  const float* slot_out = nullptr;            // per-slot outputs, f32 ...
   const std::uint16_t* slot_out16 = nullptr;  // ... or bf16 where set
   const void* ids = nullptr;
   const float* weights = nullptr;

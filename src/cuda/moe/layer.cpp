@@ -56,8 +56,8 @@ Layout layout_of(const MoePlan& plan, std::uint32_t max_tokens) {
   const std::uint64_t slots = std::uint64_t{max_tokens} * plan.geometry.topk;
   const std::uint64_t tiles = moe_detail::max_tiles(slots, E);
   const std::uint64_t table_tiles = std::max(tiles, routed_tiles(slots, E, moe_detail::kGroupedMinTile));
-  const std::uint64_t table_rows =
-      std::max(tiles * kTileM, routed_tiles(slots, E, moe_detail::kGroupedMaxTile) * moe_detail::kGroupedMaxTile);
+  const std::uint64_t table_rows = std::max(
+      tiles * kTileM, routed_tiles(slots, E, moe_detail::kGroupedMaxTile) * moe_detail::kGroupedMaxTile);
   Layout l;
   l.header = 0;
   l.tile_expert = up(l.header + 16);

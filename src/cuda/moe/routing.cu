@@ -4,8 +4,8 @@
 // allocation, deterministic (the only atomics count, and counts commute).
 #include <cub/block/block_scan.cuh>
 
-#include "cuda/primitives/launch.cuh"
 #include "cuda/moe/launchers.hpp"
+#include "cuda/primitives/launch.cuh"
 
 namespace csfmoe::moe_detail {
 
@@ -51,7 +51,8 @@ __global__ void __launch_bounds__(kRouteThreads)
   }
   __syncthreads();
   for (int e = tid; e < int(experts); e += blockDim.x) {
-    for (int t = offset[e] / int(r.tile_rows); t < offset[e + 1] / int(r.tile_rows); ++t) r.tile_expert[t] = e;
+    for (int t = offset[e] / int(r.tile_rows); t < offset[e + 1] / int(r.tile_rows); ++t)
+      r.tile_expert[t] = e;
     for (int p = offset[e] + count[e]; p < offset[e + 1]; ++p) r.sorted_slot[p] = -1;
   }
   // Stable scatter: warps take turns so that every slot's rank is the number
