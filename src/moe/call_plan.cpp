@@ -115,7 +115,8 @@ MoeCallPlan plan_call(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint3
   using namespace moe_detail;
   validate(o);
   const MoeLayerGeometry& g = plan.geometry;
-  const bool grouped_ok = caps.grouped_kernels && grouped_shape_ok(g.hidden, g.intermediate);
+  const bool grouped_ok = caps.grouped_kernels && grouped_shape_ok(g.hidden, g.intermediate) &&
+                          grouped_offsets_fit(tokens, g.topk, g.hidden, g.intermediate);
   const bool grouped_size = tokens >= grouped_threshold(o, g);
   const bool prefill_ok = caps.prefill_kernels && prefill_shape_ok(g.hidden, g.intermediate);
   const bool prefill_size = tokens >= prefill_threshold(o, g);

@@ -37,6 +37,14 @@ constexpr bool grouped_shape_ok(std::uint32_t hidden, std::uint32_t intermediate
   return hidden % kGroupedRows == 0 && intermediate % kGroupedKBlock == 0 && hidden > 0 && intermediate > 0;
 }
 
+// The producer addresses activation rows by 32-bit element offsets (token *
+// H for gate/up, slot * N for down, 0xFFFFFFFF marking padding): calls whose
+// offsets would not fit run another kernel.
+constexpr bool grouped_offsets_fit(std::uint64_t tokens, std::uint32_t topk, std::uint32_t hidden,
+                                   std::uint32_t intermediate) {
+  return tokens * hidden < 0xFFFFFFFFull && tokens * topk * intermediate < 0xFFFFFFFFull;
+}
+
 // Shared memory of a token tile of `nt` rows: `stages` ring stages of
 // weights (TMA) and the tile's two 64-K halves of activation rows
 // ([nt][128 B], 128-byte swizzle), the full / empty mbarrier pairs, the

@@ -250,6 +250,18 @@ TEST(GroupedPlan, CallPlanChoosesTheGroupedKernelFromEightRowsPerExpert) {
   EXPECT_NE(plan_call(odd, h200(), 4096, false, false, o).kernel, MoeKernel::grouped);
   o.grouped_fp32_slots = true;
   EXPECT_FALSE(plan_call(native, h200(), 8192, false, false, o).bf16_slots);
+  // Calls whose activation offsets would not fit the producer's 32 bits run the prefill kernel.
+  EXPECT_TRUE(grouped_offsets_fit(16384, 8, 7168, 2048));
+  EXPECT_FALSE(grouped_offsets_fit(600000, 8, 7168, 2048));  // 600000 * 7168 >= 2^32
+  EXPECT_FALSE(grouped_offsets_fit(300000, 8, 2048, 2048));  // 300000 * 8 * 2048 >= 2^32
+  {
+    MoeConstraints big;
+    big.max_tokens = 1u << 20;
+    const MoePlan huge = plan_weights(ScaleFormat::nvfp4, kDs3, big);
+    EXPECT_EQ(plan_call(huge, h200(), 262000, false, false, o).kernel,
+              MoeKernel::grouped);  // 262000 * 8 * 2048 < 2^32
+    EXPECT_EQ(plan_call(huge, h200(), 263000, false, false, o).kernel, MoeKernel::prefill);
+  }
   o.grouped_min_tokens = 0xFFFFFFFFu;
   EXPECT_EQ(plan_call(native, h200(), 8192, false, false, o).kernel, MoeKernel::prefill);
   EXPECT_FALSE(plan_call(native, h200(), 8192, false, false, o).bf16_slots);  // FP32 off the grouped kernel
