@@ -457,8 +457,9 @@ TEST_F(GpuMoe, GroupedKernelEveryTokenTileUniformAndSkewedRouting) {
   for (ScaleFormat f : {ScaleFormat::nvfp4, ScaleFormat::mxfp4}) {
     Layer l(f, g, seed + 3, 2048);
     Call call(l.plan_csf, 2048);
+    // Under compute-sanitizer: one call size, the smallest and largest tiles.
     const std::vector<std::uint32_t> sizes =
-        small_run() ? std::vector<std::uint32_t>{5, 300} : std::vector<std::uint32_t>{1, 37, 300, 2048};
+        small_run() ? std::vector<std::uint32_t>{300} : std::vector<std::uint32_t>{1, 37, 300, 2048};
     for (std::uint32_t T : sizes) {
       for (int skew = 0; skew < 2; ++skew) {
         Inputs in = random_inputs(rng, T, g);
@@ -472,6 +473,7 @@ TEST_F(GpuMoe, GroupedKernelEveryTokenTileUniformAndSkewedRouting) {
         }
         const std::vector<float> ref = reference(l, in);
         for (int nt : moe_detail::kGroupedTokenTiles) {
+          if (small_run() && nt != 16 && nt != 128) continue;
           std::vector<std::uint16_t> first;
           for (MoeScaleMode m : {MoeScaleMode::native, MoeScaleMode::expanded, MoeScaleMode::routed}) {
             SCOPED_TRACE(std::string(to_string(f)) + " T=" + std::to_string(T) +
