@@ -999,6 +999,25 @@ TEST_F(CliTest, MessagesForEdgeArguments) {
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("--rank"), std::string::npos) << r.err;
   EXPECT_TRUE(out_entries().empty());
+  // Ranks: --rank outside --tp's ranks, or --rank without --tp, are usage errors in the user's words.
+  r = csf({"compress", src.string(), (dir_ / "out" / "x").string(), "--tp", "2", "--rank", "2"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("--rank 2 is outside --tp 2's ranks 0..1"), std::string::npos) << r.err;
+  r = csf({"compress", src.string(), (dir_ / "out" / "x").string(), "--rank", "1"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("--rank 1 needs --tp"), std::string::npos) << r.err;
+  EXPECT_TRUE(out_entries().empty());
+  // csf moe: zero tokens, top-k or iterations, and a scale mode with --cpu, are command-line errors.
+  for (const auto& args : std::vector<std::vector<std::string>>{{"moe", "--tokens", "0"},
+                                                                {"moe", "--topk", "0"},
+                                                                {"moe", "--iters", "0"},
+                                                                {"moe", "--cpu", "--mode", "stage_read"}}) {
+    r = csf(args);
+    EXPECT_EQ(r.code, 2) << ::testing::PrintToString(args) << r.err;
+    EXPECT_NE(r.err.find("usage error"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(args[1]), std::string::npos) << r.err;  // names the option
+    EXPECT_EQ(r.err.find("plan_weights"), std::string::npos) << r.err;
+  }
   // synth --experts out of range: a short message, not a 300-digit bound.
   r = csf({"synth", (dir_ / "out" / "s").string(), "--model", "qwen3-30b-a3b", "--format", "nvfp4",
            "--experts", "0"});

@@ -153,6 +153,12 @@ Exit codes: 0 success; 1 error (bad or corrupt input, I/O; nothing is written); 
     if (c_compress->parsed() && compress.tp > 1 && rank_option->count() == 0)
       throw UsageError(
           fmt::format("--tp {} needs --rank (which slice to store, 0..{})", compress.tp, compress.tp - 1));
+    if (c_compress->parsed() && rank_option->count() != 0 && compress.tp <= 1)
+      throw UsageError(
+          fmt::format("--rank {} needs --tp (the tensor-parallel degree, at least 2)", compress.tp_rank));
+    if (c_compress->parsed() && compress.tp > 1 && compress.tp_rank >= compress.tp)
+      throw UsageError(fmt::format("--rank {} is outside --tp {}'s ranks 0..{}", compress.tp_rank,
+                                   compress.tp, compress.tp - 1));
     if (c_inspect->parsed()) return run_inspect(inspect);
     if (c_compress->parsed()) return run_compress(compress);
     if (c_decompress->parsed()) return run_decompress(decompress);

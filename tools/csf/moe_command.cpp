@@ -278,17 +278,22 @@ void register_moe_command(CLI::App& app) {
   auto* experts = c->add_option("--experts", args->experts, "override E");
   auto* hidden = c->add_option("--hidden", args->hidden, "override H (multiple of 64)");
   auto* inter = c->add_option("--intermediate", args->intermediate, "override N (multiple of 64)");
-  c->add_option("--topk", args->topk, "override k (with --checkpoint: default min(8, experts))");
+  c->add_option("--topk", args->topk, "override k (with --checkpoint: default min(8, experts))")
+      ->check(CLI::Range(1u, 65536u));
   auto* format = c->add_option("--format", args->format, "nvfp4 or mxfp4")
                      ->check(CLI::IsMember({"nvfp4", "mxfp4"}))
                      ->capture_default_str();
   // A checkpoint fixes the geometry and format.
   for (auto* o : {model, experts, hidden, inter, format}) ck->excludes(o);
-  c->add_option("--tokens,-t", args->tokens, "tokens per call")->capture_default_str();
+  c->add_option("--tokens,-t", args->tokens, "tokens per call")
+      ->check(CLI::Range(1u, 1u << 20))
+      ->capture_default_str();
   c->add_option("--mode", args->mode, "auto (CSF, frozen rule), native, expanded, routed, stage_read")
       ->check(CLI::IsMember({"auto", "native", "expanded", "routed", "stage_read"}))
       ->capture_default_str();
-  c->add_option("--iters", args->iters, "timed calls (median reported)")->capture_default_str();
+  c->add_option("--iters", args->iters, "timed calls (median reported)")
+      ->check(CLI::Range(1u, 1000000u))
+      ->capture_default_str();
   c->add_option("--seed", args->seed, "random seed")->capture_default_str();
   c->add_option("--max-error", args->max_error, "exit 3 if the GPU error is not below this")
       ->capture_default_str();
@@ -296,6 +301,15 @@ void register_moe_command(CLI::App& app) {
   c->add_flag("--no-check", args->no_check, "skip the CPU reference on the GPU path");
   c->callback([args] {
     // Runs inside parse(): report errors here in the tool's format.
+    if (args->cpu && args->mode != "auto" && args->mode != "native") {
+      // The CPU reference reads native scales and has no scale modes to choose from.
+      fmt::print(stderr,
+                 "csf: usage error: --mode {} selects how the GPU reads scales; --cpu runs the float64 "
+                 "reference on native scales (drop --mode, or --cpu)\n",
+                 args->mode);
+      std::fflush(stderr);
+      std::exit(2);
+    }
     int rc = 1;
     try {
       rc = run_moe(*args);
