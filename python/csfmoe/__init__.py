@@ -10,6 +10,7 @@ from ._errors import (
     CorruptData,
     CudaError,
     Error,
+    FileMissing,
     FormatError,
     InvalidArgument,
     IoError,

@@ -29,5 +29,9 @@ class CudaError(Error):
     """CUDA runtime or driver error."""
 
 
+class FileMissing(FileNotFoundError, IoError):
+    """A path the call reads does not exist: both FileNotFoundError and IoError."""
+
+
 # In csfmoe::ErrorKind order.
 ERROR_CLASSES = [InvalidArgument, Unsupported, FormatError, CorruptData, IoError, CudaError]

@@ -4,6 +4,7 @@ per-expert ModelOpt names)."""
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Dict, List, Optional, Union
 
@@ -11,7 +12,7 @@ import torch
 
 from . import _csfmoe as _C
 from . import ops
-from ._errors import FormatError, InvalidArgument
+from ._errors import FileMissing, FormatError, InvalidArgument
 from .scales import _DTYPE_BY_NAME, CsfScales
 
 __all__ = ["load_file", "load_checkpoint", "save_file", "is_csf_container", "stack_scales",
@@ -43,16 +44,32 @@ def is_csf_container(path) -> bool:
     return bool(_C.is_csf_container(os.fspath(path)))
 
 
+def _require_exists(path: str, what: str) -> None:
+    if not os.path.exists(path):
+        raise FileMissing(errno.ENOENT, f"{what}: no such file or folder", path)
+
+
 def compress_checkpoint(src, dst, layout: str = "", threads: int = 0, schema: str = "csfmoe",
-                        tp: int = 1, rank: int = 0, mxfp4_slab: bool = True):
+                        tp: int = 1, rank: Optional[int] = None, mxfp4_slab: bool = True):
     """csf compress: writes a container (file or folder) at dst; returns
     (scale source bytes, scale stored bytes). layout "" takes each file's
     csfmoe.scale_layout tag (else row_major); a layout that contradicts the
     tag is an error. schema "b12x" writes b12x / vLLM's plane tensors for
     every per-expert scale (docs/container-format.md); tp / rank store one
     tensor-parallel slice (src may then be compressed already). mxfp4_slab
-    False keeps MXFP4 scales as b12x's planes where the slab form is smaller."""
-    return tuple(_C.compress_checkpoint(os.fspath(src), os.fspath(dst), layout, threads, schema, tp, rank,
+    False keeps MXFP4 scales as b12x's planes where the slab form is smaller.
+    Raises FileMissing (a FileNotFoundError and IoError) when src does not
+    exist, InvalidArgument for tp > 1 without rank, rank without tp > 1, or a
+    rank outside 0..tp-1."""
+    src, dst = os.fspath(src), os.fspath(dst)
+    if tp > 1 and rank is None:
+        raise InvalidArgument(f"compress_checkpoint: tp={tp} needs rank= (which slice to store, 0..{tp - 1})")
+    if rank is not None and tp <= 1:
+        raise InvalidArgument(f"compress_checkpoint: rank={rank} needs tp= (the tensor-parallel degree, at least 2)")
+    if rank is not None and not 0 <= rank < tp:
+        raise InvalidArgument(f"compress_checkpoint: rank={rank} is outside tp={tp}'s ranks 0..{tp - 1}")
+    _require_exists(src, "compress_checkpoint: src")
+    return tuple(_C.compress_checkpoint(src, dst, layout, threads, schema, tp, 0 if rank is None else rank,
                                         mxfp4_slab))
 
 
@@ -79,7 +96,8 @@ def load_file(path, device: Union[str, torch.device] = "cpu", decode: bool = Fal
     Native tensors come back as torch tensors on `device`. Each CSF-compressed
     scale tensor comes back as CsfScales on `device` or, with decode=True, as
     its native tensor (dtype and shape of the original; `layout` picks the
-    decoded layout, default the source layout). `names` limits what is read.
+    decoded layout, default the source layout). `names` limits what is read;
+    a name the file lacks raises InvalidArgument, a missing path FileMissing.
 
     The C++ reader does the reading and the checks (csfmoe/checkpoint_reader.hpp).
     In a container every tensor returned is first checked against the CRC32
@@ -90,9 +108,14 @@ def load_file(path, device: Union[str, torch.device] = "cpu", decode: bool = Fal
     is only checked structurally."""
     device = torch.device(device)
     path = os.fspath(path)
+    _require_exists(path, "load_file")
     f = _C.SafetensorsFile(path)
     entries = f.csf_entries() or {}
     wanted = None if names is None else set(names)
+    if wanted is not None:
+        missing = sorted(wanted - {info["name"] for info in f.tensors()})
+        if missing:
+            raise InvalidArgument(f"load_file: {path} has no tensor named {', '.join(repr(m) for m in missing)}")
     out: Dict[str, Loaded] = {}
     for info in f.tensors():
         name = info["name"]

@@ -465,3 +465,35 @@ def test_gather_runs_the_cpp_layer_rules(gen):
         bad[f"{pre}.w2.input_scale"] = torch.tensor([bad_value])
         with pytest.raises(csfmoe.FormatError, match=rf"'{pre}.w2.input_scale': input scale \[0\] is .* positive"):
             gather(bad, pre)
+
+
+def test_python_mirrors_the_cli_on_tp_rank_missing_files_and_names(gen, tmp_path):
+    src = tmp_path / "layer.safetensors"
+    write_safetensors(src, modelopt_layer(gen)[1])
+    ck = csfmoe.checkpoint
+    # tp without rank, rank without tp, a rank outside the ranks: argument errors in Python's words,
+    # and nothing written.
+    for kwargs, words in (({"tp": 2}, "tp=2 needs rank="), ({"rank": 1}, "rank=1 needs tp="),
+                          ({"tp": 2, "rank": 2}, "rank=2 is outside tp=2's ranks 0..1"),
+                          ({"tp": 2, "rank": -1}, "rank=-1 is outside")):
+        with pytest.raises(csfmoe.InvalidArgument) as e:
+            ck.compress_checkpoint(src, tmp_path / "out", **kwargs)
+        assert words in str(e.value)
+        assert "--" not in str(e.value)  # no CLI flags
+        assert not (tmp_path / "out").exists()
+    # A missing source: FileNotFoundError and the package's IO error class, naming the path.
+    for call in (lambda: ck.compress_checkpoint(tmp_path / "nope.safetensors", tmp_path / "out"),
+                 lambda: ck.load_file(tmp_path / "nope.safetensors")):
+        with pytest.raises(FileNotFoundError) as e:
+            call()
+        assert isinstance(e.value, csfmoe.IoError)
+        assert e.value.filename.endswith("nope.safetensors")
+    # names= with a name the file lacks: an error naming it, not a silently smaller dict.
+    some = next(iter(ck.load_file(src)))
+    assert set(ck.load_file(src, names=[some])) == {some}
+    with pytest.raises(csfmoe.InvalidArgument) as e:
+        ck.load_file(src, names=[some, "model.typo"])
+    assert "'model.typo'" in str(e.value) and str(src) in str(e.value)
+    # tp=2 with a rank still works.
+    ck.compress_checkpoint(src, tmp_path / "r1.safetensors", tp=2, rank=1)
+    assert ck.is_csf_container(tmp_path / "r1.safetensors")
