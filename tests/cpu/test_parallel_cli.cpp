@@ -273,11 +273,13 @@ TEST_F(TpCli, BadRequestsFailCleanly) {
   const auto before = count_entries();
   CliResult x = csf("compress --tp 0 " + in.string() + " " + out.string(), dir_);
   EXPECT_EQ(x.code, 2) << x.err;
+  // A rank outside the ranks, or a rank without a degree above 1: command-line errors (exit 2).
   x = csf("compress --tp 4 --rank 4 " + in.string() + " " + out.string(), dir_);
-  EXPECT_EQ(x.code, 1) << x.err;
+  EXPECT_EQ(x.code, 2) << x.err;
   EXPECT_NE(x.err.find("rank 4"), std::string::npos) << x.err;
   x = csf("compress --tp 1 --rank 1 " + in.string() + " " + out.string(), dir_);
-  EXPECT_EQ(x.code, 1) << x.err;
+  EXPECT_EQ(x.code, 2) << x.err;
+  EXPECT_NE(x.err.find("--rank 1 needs --tp"), std::string::npos) << x.err;
   // 96 rows over tp 8 is 12 each, but the BF16 gate_proj has no known split axis.
   x = csf("compress --tp 8 --rank 0 " + in.string() + " " + out.string(), dir_);
   EXPECT_EQ(x.code, 1) << x.err;
