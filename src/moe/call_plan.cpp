@@ -57,16 +57,25 @@ void validate(const MoeBindOptions& o) {
 
 namespace moe_detail {
 
-std::uint32_t prefill_threshold(const MoeBindOptions& o, const MoeLayerGeometry& g) {
-  if (o.prefill_min_tokens != 0) return o.prefill_min_tokens;
-  const std::uint64_t rows = 16ull * g.experts;
+namespace {
+
+// The smallest T with `option` tokens when it is set, else the smallest with
+// `rows_per_expert` routed rows per expert on average (T * k >= rows * E).
+std::uint32_t token_threshold(std::uint32_t option, std::uint32_t rows_per_expert,
+                              const MoeLayerGeometry& g) {
+  if (option != 0) return option;
+  const std::uint64_t rows = std::uint64_t{rows_per_expert} * g.experts;
   return std::uint32_t(std::max<std::uint64_t>(1, (rows + g.topk - 1) / g.topk));
 }
 
+}  // namespace
+
+std::uint32_t prefill_threshold(const MoeBindOptions& o, const MoeLayerGeometry& g) {
+  return token_threshold(o.prefill_min_tokens, 16, g);
+}
+
 std::uint32_t grouped_threshold(const MoeBindOptions& o, const MoeLayerGeometry& g) {
-  if (o.grouped_min_tokens != 0) return o.grouped_min_tokens;
-  const std::uint64_t rows = 8ull * g.experts;
-  return std::uint32_t(std::max<std::uint64_t>(1, (rows + g.topk - 1) / g.topk));
+  return token_threshold(o.grouped_min_tokens, 8, g);
 }
 
 bool decode_possible(const MoePlan& plan, const MoeDeviceCaps& caps, const MoeBindOptions& options) {
