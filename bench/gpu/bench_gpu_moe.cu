@@ -487,6 +487,7 @@ int main(int argc, char** argv) {
     std::fprintf(json,
                  "{\"bench\":\"moe_device\",\"gpu\":\"%s\",\"copy_GBps\":%.1f,\"dense_bf16_TFLOPs\":%.1f}\n",
                  prop.name, bw / 1e9, dense_rate / 1e12);
+  std::fflush(json);
 
   const MoeScaleMode modes[4] = {MoeScaleMode::native, MoeScaleMode::expanded, MoeScaleMode::routed,
                                  MoeScaleMode::stage_read};
@@ -797,6 +798,7 @@ int main(int argc, char** argv) {
                      kernel.c_str(), roof_native, roof_csf, us[0], us[1], us[2], us[3], us[4], us[5], us[6],
                      us[7], peer_us, flops, dense_rate / 1e12, bw / 1e9, err_v, vs_decode,
                      same ? "true" : "false", output_hash(outs[0]), output_hash(outs[3]));
+      std::fflush(json);
       ck(cudaFree(id_sets), "free");
       ck(cudaFree(wt_sets), "free");
     }
@@ -851,6 +853,7 @@ int main(int argc, char** argv) {
                          "\"hidden\":%.4f}\n",
                          shape.name.c_str(), against.c_str(), T, per_sm, median(alone), median(expand),
                          median(both), hidden / 100.0f);
+          std::fflush(json);
         }
       };
       {
