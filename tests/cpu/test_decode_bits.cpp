@@ -125,6 +125,44 @@ TEST(DecodeBits, PackedScaleWordsMatchBytewiseConversion) {
         }
 }
 
+// The grouped kernel's folded MXFP4 scale pairs: for every byte the fold
+// accepts, one bf16 multiply of every nibble pair (value * 2^-126) by the
+// folded pair gives value * 2^(b - 127) exactly, a bf16 number (normal from
+// b = 2; bytes 0 and 1 reach bf16's subnormal range as the unfolded path's
+// second multiply does); the fold refuses exactly the bytes above 0x80, at
+// every position of a word.
+TEST(DecodeBits, FoldedMxfp4ScalesGiveExactProducts) {
+  for (std::uint32_t b = 0; b < 256; ++b) {
+    const std::uint32_t word = b * 0x01010101u;
+    ASSERT_EQ(mxfp4_word_unfoldable(word), b > 0x80u) << std::hex << b;
+    if (b > 0x80u) continue;
+    const std::uint32_t pair = mxfp4_folded_splat_bf16<2>(word);
+    ASSERT_EQ(pair >> 16, pair & 0xFFFFu);
+    const float scale = bf16_value(pair & 0xFFFFu);
+    ASSERT_EQ(scale, std::ldexp(1.0f, int(b) - 1)) << std::hex << b;
+    for (std::uint32_t nib = 0; nib < 16; ++nib) {
+      const float nibble = bf16_value(e2m1_pair<0>(nib) & 0xFFFFu);  // value * 2^-126
+      const float product = nibble * scale;                          // exact in float
+      const float want = e2m1_to_float(std::uint8_t(nib)) * e8m0_to_float(std::uint8_t(b));
+      ASSERT_EQ(product, want) << std::hex << b << " " << nib;
+      ASSERT_EQ(std::signbit(product), (nib & 8u) != 0);
+      // Representable in bf16: the hardware multiply is exact too.
+      std::uint32_t bits;
+      std::memcpy(&bits, &product, 4);
+      ASSERT_EQ(bits & 0xFFFFu, 0u) << std::hex << b << " " << nib;
+      if (product != 0.0f && b >= 2) ASSERT_GE(std::fabs(product), std::ldexp(1.0f, -126));
+    }
+  }
+  CSFMOE_SEEDED(seed);
+  std::mt19937 rng(std::uint32_t(seed ^ (seed >> 32)));
+  for (int rep = 0; rep < 200000; ++rep) {
+    const std::uint32_t v = rep < 1024 ? (rng() & 0x80808080u) | (rng() & 0x01010101u) : rng();
+    bool above = false;
+    for (int i = 0; i < 4; ++i) above |= ((v >> (8 * i)) & 0xFFu) > 0x80u;
+    ASSERT_EQ(mxfp4_word_unfoldable(v), above) << std::hex << v;
+  }
+}
+
 // The prefill kernel's K order: a bijection of each 128-wide K block whose
 // inverse is prefill_k_slot, and which puts at every position of the wgmma A
 // fragment (m16n8k16 layout per warp: thread t holds K columns 2t + 8q + e of

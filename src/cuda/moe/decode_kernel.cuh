@@ -57,8 +57,9 @@ __device__ __forceinline__ std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32
 // (the decode and prefill kernels' lane order): the four bf16 pairs (E2M1
 // nibbles j, j + 4 of word q, j = 0..3) of the low row (qlo, scale pair slo)
 // and of the high row (qhi, shi). Exact: value * scale * 2^-8 (NVFP4) or
-// value * scale (MXFP4, which first restores 2^126).
-template <ScaleFormat F>
+// value * scale (MXFP4, which first restores 2^126, unless Folded: the scale
+// pairs already carry it, mxfp4_folded_splat_bf16).
+template <ScaleFormat F, bool Folded = false>
 __device__ __forceinline__ void dequant_words(std::uint32_t qlo, std::uint32_t slo, std::uint32_t qhi,
                                               std::uint32_t shi, std::uint32_t (&lo)[4],
                                               std::uint32_t (&hi)[4]) {
@@ -66,7 +67,7 @@ __device__ __forceinline__ void dequant_words(std::uint32_t qlo, std::uint32_t s
   hi[0] = e2m1_pair<0>(qhi), hi[1] = e2m1_pair<1>(qhi), hi[2] = e2m1_pair<2>(qhi), hi[3] = e2m1_pair<3>(qhi);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    if constexpr (F == ScaleFormat::mxfp4) {
+    if constexpr (F == ScaleFormat::mxfp4 && !Folded) {
       lo[j] = bf16x2_mul(lo[j], 0x7E807E80u);  // 2^126: exact E2M1 values
       hi[j] = bf16x2_mul(hi[j], 0x7E807E80u);
     }
@@ -116,6 +117,31 @@ __device__ __forceinline__ void scale_pairs(const std::uint32_t (&u)[kWords], st
     } else {
       sp[c][0] = sp[c][1] = cv(c);
     }
+  }
+}
+
+// scale_pairs for dequant_words<F, true> where the warp can: returns whether
+// the warp's pairs are unfolded (MXFP4: some lane's word holds a byte above
+// 0x80; the warp then converts with dequant_words<F, false>). NVFP4 pairs
+// carry their fold already: always false.
+template <ScaleFormat F, int kWords>
+__device__ __forceinline__ bool scale_pairs_folded(const std::uint32_t (&u)[kWords],
+                                                   std::uint32_t (&sp)[4][2]) {
+  if constexpr (F == ScaleFormat::nvfp4) {
+    scale_pairs<F>(u, sp);
+    return false;
+  } else {
+    const bool unfolded = __any_sync(0xFFFFFFFFu, decode_bits::mxfp4_word_unfoldable(u[0]));
+    if (unfolded) {
+      scale_pairs<F>(u, sp);
+    } else {
+      using decode_bits::mxfp4_folded_splat_bf16;
+      sp[0][0] = sp[0][1] = mxfp4_folded_splat_bf16<0>(u[0]);
+      sp[1][0] = sp[1][1] = mxfp4_folded_splat_bf16<1>(u[0]);
+      sp[2][0] = sp[2][1] = mxfp4_folded_splat_bf16<2>(u[0]);
+      sp[3][0] = sp[3][1] = mxfp4_folded_splat_bf16<3>(u[0]);
+    }
+    return unfolded;
   }
 }
 

@@ -84,6 +84,27 @@ CSFMOE_HD std::uint32_t scale_splat_bf16(std::uint32_t v) {
     return b * 0x00800080u;
 }
 
+// MXFP4 scale pairs with the nibbles' 2^126 folded in: byte b as the bf16
+// 2^(b - 1) = 2^126 * 2^(b - 127), so that one multiply per pair gives the
+// exact value (the products are normal bf16 numbers). Exact for bytes up to
+// 0x80 (2^127, the largest bf16 power of two); a word holding a byte above
+// (scales >= 2^2, or the NaN code) takes the unfolded path. One integer
+// multiply-add after the byte permute, as scale_splat_bf16.
+CSFMOE_HD constexpr bool mxfp4_word_unfoldable(std::uint32_t v) {
+  // Per byte: bit 7 set and a low bit set (low 7 bits + 0x7F carries into bit 7).
+  return (((v & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) & v & 0x80808080u) != 0;
+}
+template <int B>
+CSFMOE_HD std::uint32_t mxfp4_folded_splat_bf16(std::uint32_t v) {
+  static_assert(B >= 0 && B < 4);
+#if defined(__CUDA_ARCH__)
+  const std::uint32_t b = __byte_perm(v, 0u, 0x4440 | B);
+#else
+  const std::uint32_t b = (v >> (8 * B)) & 0xFFu;
+#endif
+  return b * 0x00800080u + 0x3F003F00u;
+}
+
 // The prefill kernel's K permutation (src/cuda/moe/prefill_kernel.cuh), the decode
 // kernel's lane order written out, within a 128-wide K block: the
 // activations are stored permuted so that shared memory can be filled with

@@ -22,7 +22,8 @@
 //  * Operand order and scales as the prefill kernel (prefill_kernel.cuh):
 //    activations K-permuted in global memory (prefill_k_source), the decode
 //    kernel's E2M1 conversion and LaneScales, whose words each consumer
-//    thread loads itself two K blocks ahead.
+//    thread loads itself two K blocks ahead; MXFP4 scale pairs carry the
+//    nibbles' 2^126 (one multiply per pair) where the warp's bytes allow.
 //  * Epilogues. gate/up: SiLU(gate) * up to bf16, written per routed slot in
 //    the down projection's K order; down: bf16 per slot (FP32 on request)
 //    for the combine, which sums in FP32 in slot order.
@@ -47,6 +48,8 @@ namespace csfmoe::moe_detail {
 // next fragment; its fragment buffers (kGroupedDepth + 1) divide the 8 steps
 // of a K block, so every buffer index is a compile-time constant.
 constexpr int kGroupedDepth = 1;
+// Step of a K block after which a consumer fetches the next block's operands.
+constexpr int kGroupedFetchStep = 5;
 constexpr int kGroupedProducerRegs = 40, kGroupedConsumerRegs = 232;
 static_assert(8 % (kGroupedDepth + 1) == 0, "fragment buffers divide the steps of a K block");
 static_assert(128 * kGroupedProducerRegs + 256 * kGroupedConsumerRegs <= 65536, "register file");
@@ -175,30 +178,42 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
       __syncwarp();
       if (lane == 0) mbarrier_arrive(&empty[s]);
     };
-    std::uint32_t prev_stage = 0;
-    // One K block: wait for its stage, convert and issue its 8 k32 steps.
-    const auto k_block = [&](std::uint32_t kb, const uint4& words) {
-      const std::uint32_t s = it % kStages, phase = (it / kStages) & 1u;
+    // A K block's operands in registers: the thread's weight words and bf16
+    // scale pairs, read from its stage one K block ahead, so that the
+    // barrier wait, shared-memory loads and scale conversion of the next
+    // block run while this block's last wgmmas are in flight.
+    struct KOperands {
+      uint4 wq[4];
+      std::uint32_t sp[4][2];
+      bool unfolded;  // warp-uniform: MXFP4 pairs without the 2^126 fold
+    };
+    const auto fetch = [&](std::uint32_t kb, std::uint32_t at, const uint4& words, KOperands& o) {
+      const std::uint32_t s = at % kStages, phase = (at / kStages) & 1u;
       mbarrier_wait(&full[s], phase);
       const unsigned char* stage = smem + s * kSmem.stage_bytes;
-      uint4 wq[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c)
-        wq[c] = *reinterpret_cast<const uint4*>(stage + ring_row[c] * 64 + std::uint32_t(t) * 16);
-      std::uint32_t sp[4][2];
-      {
-        std::uint32_t u[LaneScales<F, K>::kWords];
-        lane_scales.gather(words, kb, u);
-        scale_pairs<F>(u, sp);
-      }
-      const std::uint32_t act = smem_u32(stage + kGroupedWeightStageBytes);
+        o.wq[c] = *reinterpret_cast<const uint4*>(stage + ring_row[c] * 64 + std::uint32_t(t) * 16);
+      std::uint32_t u[LaneScales<F, K>::kWords];
+      lane_scales.gather(words, kb, u);
+      o.unfolded = scale_pairs_folded<F>(u, o.sp);
+    };
+    std::uint32_t prev_stage = 0;
+    // One K block from its operands: convert and issue its 8 k32 steps; at
+    // step kGroupedFetchStep, fetch the next block's operands.
+    const auto k_block = [&](std::uint32_t kb, const KOperands& o, KOperands& next, const uint4& next_words) {
+      const std::uint32_t s = it % kStages;
+      const std::uint32_t act = smem_u32(smem + s * kSmem.stage_bytes + kGroupedWeightStageBytes);
 #pragma unroll
       for (int step = 0; step < 8; ++step) {
         const int wd = step / 2, mt = step % 2;
         std::uint32_t(&a)[8] = frag[step % (kGroupedDepth + 1)];
         std::uint32_t lo[4], hi[4];
-        dequant_words<F>((&wq[2 * mt].x)[wd], sp[2 * mt][wd / 2], (&wq[2 * mt + 1].x)[wd],
-                         sp[2 * mt + 1][wd / 2], lo, hi);
+        const std::uint32_t qlo = (&o.wq[2 * mt].x)[wd], qhi = (&o.wq[2 * mt + 1].x)[wd];
+        if (F == ScaleFormat::mxfp4 && o.unfolded)
+          dequant_words<F, false>(qlo, o.sp[2 * mt][wd / 2], qhi, o.sp[2 * mt + 1][wd / 2], lo, hi);
+        else
+          dequant_words<F, true>(qlo, o.sp[2 * mt][wd / 2], qhi, o.sp[2 * mt + 1][wd / 2], lo, hi);
 #pragma unroll
         for (int j = 0; j < 4; ++j) a[j] = lo[j], a[4 + j] = hi[j];
         wgmma_fence();
@@ -210,17 +225,21 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
         wgmma_wait<kGroupedDepth>();
         // Every step of the previous K block has retired: its stage is free.
         if (step == kGroupedDepth - 1 && kb > 0) release(prev_stage);
+        if (step == kGroupedFetchStep && kb + 1 < kblocks) fetch(kb + 1, it + 1, next_words, next);
       }
       prev_stage = s;
       ++it;
     };
+    KOperands ops_even, ops_odd;
     uint4 words_even = load_words(0), words_odd = kblocks > 1 ? load_words(1) : uint4{};
+    fetch(0, it, words_even, ops_even);
+    if (kblocks > 2) words_even = load_words(2);
     for (std::uint32_t kb = 0; kb < kblocks; kb += 2) {
-      k_block(kb, words_even);
-      if (kb + 2 < kblocks) words_even = load_words(kb + 2);
+      k_block(kb, ops_even, ops_odd, words_odd);
+      if (kb + 3 < kblocks) words_odd = load_words(kb + 3);
       if (kb + 1 < kblocks) {
-        k_block(kb + 1, words_odd);
-        if (kb + 3 < kblocks) words_odd = load_words(kb + 3);
+        k_block(kb + 1, ops_odd, ops_even, words_even);
+        if (kb + 4 < kblocks) words_even = load_words(kb + 4);
       }
     }
     wgmma_wait<0>();
