@@ -48,8 +48,15 @@ namespace csfmoe::moe_detail {
 // next fragment; its fragment buffers (kGroupedDepth + 1) divide the 8 steps
 // of a K block, so every buffer index is a compile-time constant.
 constexpr int kGroupedDepth = 1;
-// Step of a K block after which a consumer fetches the next block's operands.
+// Step of a K block after which a consumer fetches the next block's operands,
+// in the tile classes that fetch mid-block (grouped_fetches_mid_block).
 constexpr int kGroupedFetchStep = 5;
+// The 128-row tile is latency-bound: fetching the next K block's operands
+// mid-block and folding MXFP4's 2^126 into the scale pairs measured 2-8 %
+// faster there. Smaller tiles are issue-bound; there the same code measured
+// 2-10 % slower than fetching at the block's start with plain pairs
+// (bench/results/2026-12-05-grouped-fetch-ab-*.jsonl).
+constexpr bool grouped_fetches_mid_block(int nt) { return nt >= 128; }
 constexpr int kGroupedProducerRegs = 40, kGroupedConsumerRegs = 232;
 static_assert(8 % (kGroupedDepth + 1) == 0, "fragment buffers divide the steps of a K block");
 static_assert(128 * kGroupedProducerRegs + 256 * kGroupedConsumerRegs <= 65536, "register file");
@@ -67,6 +74,7 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
   using namespace decode;
   using namespace ptx;
   constexpr GroupedSmem kSmem = grouped_smem(NT);
+  constexpr bool kFetchMidBlock = grouped_fetches_mid_block(NT), kFoldScales = kFetchMidBlock;
   constexpr std::uint32_t kStages = kSmem.stages;
   constexpr std::uint32_t kHalfBytes = NT * 128;  // one 64-K half of the activation tile
   extern __shared__ unsigned char smem_raw[];
@@ -179,9 +187,7 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
       if (lane == 0) mbarrier_arrive(&empty[s]);
     };
     // A K block's operands in registers: the thread's weight words and bf16
-    // scale pairs, read from its stage one K block ahead, so that the
-    // barrier wait, shared-memory loads and scale conversion of the next
-    // block run while this block's last wgmmas are in flight.
+    // scale pairs read from its stage.
     struct KOperands {
       uint4 wq[4];
       std::uint32_t sp[4][2];
@@ -196,12 +202,17 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
         o.wq[c] = *reinterpret_cast<const uint4*>(stage + ring_row[c] * 64 + std::uint32_t(t) * 16);
       std::uint32_t u[LaneScales<F, K>::kWords];
       lane_scales.gather(words, kb, u);
-      o.unfolded = scale_pairs_folded<F>(u, o.sp);
+      if constexpr (kFoldScales) {
+        o.unfolded = scale_pairs_folded<F>(u, o.sp);
+      } else {
+        scale_pairs<F>(u, o.sp);
+        o.unfolded = true;
+      }
     };
     std::uint32_t prev_stage = 0;
-    // One K block from its operands: convert and issue its 8 k32 steps; at
-    // step kGroupedFetchStep, fetch the next block's operands.
-    const auto k_block = [&](std::uint32_t kb, const KOperands& o, KOperands& next, const uint4& next_words) {
+    // One K block from its operands: convert and issue its 8 k32 steps,
+    // calling after_step(step) once each step's wait has returned.
+    const auto k_steps = [&](std::uint32_t kb, const KOperands& o, const auto& after_step) {
       const std::uint32_t s = it % kStages;
       const std::uint32_t act = smem_u32(smem + s * kSmem.stage_bytes + kGroupedWeightStageBytes);
 #pragma unroll
@@ -210,7 +221,7 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
         std::uint32_t(&a)[8] = frag[step % (kGroupedDepth + 1)];
         std::uint32_t lo[4], hi[4];
         const std::uint32_t qlo = (&o.wq[2 * mt].x)[wd], qhi = (&o.wq[2 * mt + 1].x)[wd];
-        if (F == ScaleFormat::mxfp4 && o.unfolded)
+        if (F == ScaleFormat::mxfp4 && (!kFoldScales || o.unfolded))
           dequant_words<F, false>(qlo, o.sp[2 * mt][wd / 2], qhi, o.sp[2 * mt + 1][wd / 2], lo, hi);
         else
           dequant_words<F, true>(qlo, o.sp[2 * mt][wd / 2], qhi, o.sp[2 * mt + 1][wd / 2], lo, hi);
@@ -225,21 +236,46 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
         wgmma_wait<kGroupedDepth>();
         // Every step of the previous K block has retired: its stage is free.
         if (step == kGroupedDepth - 1 && kb > 0) release(prev_stage);
-        if (step == kGroupedFetchStep && kb + 1 < kblocks) fetch(kb + 1, it + 1, next_words, next);
+        after_step(step);
       }
       prev_stage = s;
       ++it;
     };
-    KOperands ops_even, ops_odd;
+    // Scale words are loaded two K blocks ahead of their use.
     uint4 words_even = load_words(0), words_odd = kblocks > 1 ? load_words(1) : uint4{};
-    fetch(0, it, words_even, ops_even);
-    if (kblocks > 2) words_even = load_words(2);
-    for (std::uint32_t kb = 0; kb < kblocks; kb += 2) {
-      k_block(kb, ops_even, ops_odd, words_odd);
-      if (kb + 3 < kblocks) words_odd = load_words(kb + 3);
-      if (kb + 1 < kblocks) {
-        k_block(kb + 1, ops_odd, ops_even, words_even);
-        if (kb + 4 < kblocks) words_even = load_words(kb + 4);
+    if constexpr (kFetchMidBlock) {
+      // The next block's barrier wait, shared-memory loads and scale pairs
+      // run while this block's last wgmmas are in flight.
+      KOperands ops_even, ops_odd;
+      const auto k_block = [&](std::uint32_t kb, const KOperands& o, KOperands& next,
+                               const uint4& next_words) {
+        k_steps(kb, o, [&](int step) {
+          if (step == kGroupedFetchStep && kb + 1 < kblocks) fetch(kb + 1, it + 1, next_words, next);
+        });
+      };
+      fetch(0, it, words_even, ops_even);
+      if (kblocks > 2) words_even = load_words(2);
+      for (std::uint32_t kb = 0; kb < kblocks; kb += 2) {
+        k_block(kb, ops_even, ops_odd, words_odd);
+        if (kb + 3 < kblocks) words_odd = load_words(kb + 3);
+        if (kb + 1 < kblocks) {
+          k_block(kb + 1, ops_odd, ops_even, words_even);
+          if (kb + 4 < kblocks) words_even = load_words(kb + 4);
+        }
+      }
+    } else {
+      const auto k_block = [&](std::uint32_t kb, const uint4& words) {
+        KOperands o;
+        fetch(kb, it, words, o);
+        k_steps(kb, o, [](int) {});
+      };
+      for (std::uint32_t kb = 0; kb < kblocks; kb += 2) {
+        k_block(kb, words_even);
+        if (kb + 2 < kblocks) words_even = load_words(kb + 2);
+        if (kb + 1 < kblocks) {
+          k_block(kb + 1, words_odd);
+          if (kb + 3 < kblocks) words_odd = load_words(kb + 3);
+        }
       }
     }
     wgmma_wait<0>();
