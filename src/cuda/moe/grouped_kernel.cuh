@@ -22,8 +22,9 @@
 //  * Operand order and scales as the prefill kernel (prefill_kernel.cuh):
 //    activations K-permuted in global memory (prefill_k_source), the decode
 //    kernel's E2M1 conversion and LaneScales, whose words each consumer
-//    thread loads itself two K blocks ahead; MXFP4 scale pairs carry the
-//    nibbles' 2^126 (one multiply per pair) where the warp's bytes allow.
+//    thread loads itself two K blocks ahead; in the 128-row tile, MXFP4
+//    scale pairs carry the nibbles' 2^126 (one multiply per pair) where the
+//    warp's bytes allow (grouped_fetches_mid_block).
 //  * Epilogues. gate/up: SiLU(gate) * up to bf16, written per routed slot in
 //    the down projection's K order; down: bf16 per slot (FP32 on request)
 //    for the combine, which sums in FP32 in slot order.
