@@ -8,9 +8,13 @@
 //     reads out of bounds (ASan) or hits UB (UBSan);
 //   - decode_planes(), slice_planes() and planes_to_csf() refuse rejected
 //     planes with FormatError too;
-//   - accepted planes decode; their CsfTensor (planes_to_csf) passes
-//     validate(), decodes to the same bytes and converts back to the same
-//     planes; a slice decodes to the slice of the decoded grid; stacked
+//   - accepted planes decode (records win over their slot, as in b12x's and
+//     vLLM's readers: the byte of every record, on any code, in or out of
+//     the window); their CsfTensor (planes_to_csf) passes validate(),
+//     decodes to the same bytes and converts back to canonical_planes(), the
+//     encoder's form (code 0 under every record, every record outside its
+//     window), which is the input itself where the input had that form; a
+//     slice decodes to the slice of the decoded grid; stacked
 //     planes decode to the stacked grids; re-encoding the grid gives the
 //     planes of csfmoe's own encoder;
 //   - undamaged planes decode to their source.
@@ -120,9 +124,39 @@ void check_accepted(FuzzedDataProvider& in, const CsfPlanes& p) {
   std::vector<std::uint8_t> via_csf(native.size());
   decode(t, ScaleLayout::row_major, via_csf, CodecOptions{1, false});
   if (via_csf != native) fail("the CsfTensor of the planes decodes differently");
-  const std::vector<CsfPlanes> back = csf_to_planes(t, kName);
-  if (back.size() != 1 || back[0].fixed != p.fixed || back[0].exceptions != p.exceptions)
-    fail("planes -> CsfTensor -> planes is not the identity");
+  // A reader that lets records win: base + code, then every record's byte.
+  {
+    std::vector<std::uint8_t> wins(native.size());
+    const std::size_t row_bytes = s.format == ScaleFormat::nvfp4 ? s.cols / 2 : (s.cols + 7) / 8;
+    const std::size_t slab = 16 * (1 + row_bytes);
+    bool encoder_form = true;
+    for (std::uint32_t r = 0; r < s.rows; ++r)
+      for (std::uint32_t c = 0; c < s.cols; ++c) {
+        const std::uint8_t base = p.fixed[(r / 16) * slab + r % 16];
+        const std::uint8_t* codes = p.fixed.data() + (r / 16) * slab + 16 + (r % 16) * row_bytes;
+        const unsigned code = s.format == ScaleFormat::nvfp4 ? (codes[c / 2] >> (4 * (c % 2))) & 0xF
+                                                             : (codes[c / 8] >> (c % 8)) & 1;
+        wins[std::size_t{r} * s.cols + c] = static_cast<std::uint8_t>(base + code);
+      }
+    for (const std::uint32_t rec : p.exceptions) {
+      const std::uint32_t pos = exception_position(rec), r = pos / s.cols, c = pos % s.cols;
+      const std::uint8_t base = p.fixed[(r / 16) * slab + r % 16];
+      const std::uint8_t* codes = p.fixed.data() + (r / 16) * slab + 16 + (r % 16) * row_bytes;
+      const unsigned code = s.format == ScaleFormat::nvfp4 ? (codes[c / 2] >> (4 * (c % 2))) & 0xF
+                                                           : (codes[c / 8] >> (c % 8)) & 1;
+      const unsigned w = s.format == ScaleFormat::nvfp4 ? 16 : 2;
+      encoder_form = encoder_form && code == 0 && static_cast<std::uint8_t>(exception_value(rec) - base) >= w;
+      wins[pos] = exception_value(rec);
+    }
+    if (wins != native) fail("decode_planes differs from a reader where records win");
+    const CsfPlanes canon = canonical_planes(p, kName);
+    if (decode_planes(canon, kName) != native) fail("canonical planes decode differently");
+    const std::vector<CsfPlanes> back = csf_to_planes(t, kName);
+    if (back.size() != 1 || back[0].fixed != canon.fixed || back[0].exceptions != canon.exceptions)
+      fail("planes -> CsfTensor -> planes is not canonical_planes()");
+    if (encoder_form && (canon.fixed != p.fixed || canon.exceptions != p.exceptions))
+      fail("canonical_planes() changed planes already in the encoder's form");
+  }
 
   const CsfPlanes fresh = encode_planes(s, native, kName);
   if (decode_planes(fresh, kName) != native) fail("re-encoded grid decodes differently");

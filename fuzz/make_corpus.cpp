@@ -7,14 +7,17 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "csf_fuzz_input.hpp"
+#include "csfmoe/b12x_planes.hpp"
 #include "csfmoe/checkpoint.hpp"
 #include "csfmoe/codec.hpp"
 #include "csfmoe/safetensors.hpp"
@@ -81,6 +84,67 @@ void write_checkpoint(const fs::path& p, const Layer& l, std::uint64_t seed) {
   }
   out.add_tensor("model.norm.weight", st::Dtype::BF16, {32}, bf16);
   out.commit(st::Metadata{{"format", "pt"}});
+}
+
+// Adds records that win over their slot (b12x's and vLLM's readers allow
+// them): on slots holding a non-zero code, and with bytes inside the row's
+// window; records stay sorted.
+void add_winning_records(CsfPlanes& p, std::mt19937_64& rng) {
+  const PlaneShape& s = p.shape;
+  const unsigned w = s.format == ScaleFormat::nvfp4 ? 16 : 2;
+  const std::size_t row_bytes = s.format == ScaleFormat::nvfp4 ? s.cols / 2 : (s.cols + 7) / 8;
+  const std::size_t slab = 16 * (1 + row_bytes);
+  std::map<std::uint32_t, std::uint32_t> recs;
+  for (const std::uint32_t r : p.exceptions) recs[exception_position(r)] = r;
+  for (int i = 0; i < 6; ++i) {
+    const std::uint32_t pos = static_cast<std::uint32_t>(rng() % (std::uint64_t{s.rows} * s.cols));
+    const std::uint32_t r = pos / s.cols;
+    const std::uint8_t base = p.fixed[(r / 16) * slab + r % 16];
+    const std::uint8_t v = static_cast<std::uint8_t>(i % 2 ? base + rng() % w : base + w + rng() % (256 - w));
+    recs[pos] = make_exception(pos, v);
+  }
+  p.exceptions.clear();
+  for (const auto& [pos, r] : recs) p.exceptions.push_back(r);
+}
+
+// A file written the way b12x writes it: one expert projection's weight and
+// its planes, the fixed plane 2-D or flat (U8 [n]), records that win or not.
+void write_b12x_file(const fs::path& p, ScaleFormat f, bool flat, bool wins, std::uint64_t seed) {
+  const std::uint32_t R = 32, K = 256, C = K / group_size(f);
+  std::mt19937_64 rng(seed);
+  const auto grid =
+      synthetic_scales(GridShape{f, ScaleLayout::row_major, 1, R, C}, ScaleDistribution::realistic, seed);
+  const std::string scale = "model.layers.0.mlp.experts.0.up_proj.weight_scale";
+  CsfPlanes planes = encode_planes(PlaneShape{f, R, C}, grid, scale);
+  if (wins) add_winning_records(planes, rng);
+  std::vector<std::uint8_t> w(std::size_t{R} * K / 2);
+  for (auto& b : w) b = static_cast<std::uint8_t>(rng());
+  std::vector<std::uint8_t> rec(planes.exceptions.size() * 4);
+  if (!rec.empty()) std::memcpy(rec.data(), planes.exceptions.data(), rec.size());
+  st::Writer out(p, 4096);
+  out.add_tensor("model.layers.0.mlp.experts.0.up_proj.weight", st::Dtype::U8, {R, K / 2}, w);
+  const std::vector<std::uint64_t> shape = flat ? std::vector<std::uint64_t>{planes.fixed.size()}
+                                                : std::vector<std::uint64_t>{R / 16, plane_slab_bytes(f, C)};
+  out.add_tensor(b12x_fixed_name(scale, f), st::Dtype::U8, shape, planes.fixed);
+  out.add_tensor(b12x_exceptions_name(scale, f), st::Dtype::U32, {planes.exceptions.size()}, rec);
+  out.commit(st::Metadata{{"format", "pt"}});
+}
+
+// A fuzz_b12x_planes raw-planes input: the header and the fixed plane from
+// the front; from the back (FuzzedDataProvider's order, high byte first) the
+// tidy flag, the record count, the records, then 0 edits.
+std::vector<std::uint8_t> raw_planes_seed(const std::uint8_t (&h)[3], const CsfPlanes& p) {
+  std::vector<std::uint8_t> front(h, h + 3), tail;
+  front.insert(front.end(), p.fixed.begin(), p.fixed.end());
+  tail.push_back(0);  // tidy = false: the records are already sorted and inside the grid
+  const std::size_t n = p.exceptions.size();
+  tail.push_back(static_cast<std::uint8_t>(n >> 8));
+  tail.push_back(static_cast<std::uint8_t>(n));
+  for (const std::uint32_t r : p.exceptions)
+    for (int k = 3; k >= 0; --k) tail.push_back(static_cast<std::uint8_t>(r >> (8 * k)));
+  tail.push_back(0);  // no edits
+  front.insert(front.end(), tail.rbegin(), tail.rend());
+  return front;
 }
 
 }  // namespace
@@ -182,7 +246,31 @@ int main(int argc, char** argv) {
     for (int j = 0; j < 1500; ++j) seed.push_back(static_cast<std::uint8_t>(rng()));
     put(out / "fuzz_mxfp4_slabs" / fmt::format("raw{}", k), seed);
   }
-  fmt::print("wrote {} checkpoint seeds, {} codec seeds, {} plane seeds and {} slab seeds under {}\n", i,
-             n + 4, m + 4, q + 4, out.string());
+  // Forms that b12x's and vLLM's readers accept (issue 31): files with flat
+  // fixed planes and with records that win over their slot, and raw planes
+  // with such records.
+  for (int f = 0; f < 2; ++f) {
+    const ScaleFormat fmt_ = f ? ScaleFormat::mxfp4 : ScaleFormat::nvfp4;
+    const fs::path flat = tmp / "flat.safetensors", wins = tmp / "wins.safetensors";
+    fs::create_directories(tmp);
+    write_b12x_file(flat, fmt_, true, false, 7000 + f);
+    write_b12x_file(wins, fmt_, f == 1, true, 7100 + f);
+    fs::copy_file(flat, out / "fuzz_container" / fmt::format("b12x_flat{}", f));
+    fs::copy_file(wins, out / "fuzz_container" / fmt::format("b12x_wins{}", f));
+    fs::copy_file(wins, out / "fuzz_safetensors_header" / fmt::format("b12x_wins{}", f));
+    fs::remove_all(tmp);
+    // rows selector 2 -> 48 rows; cols selector 17 -> 36 (NVFP4) / 18 (MXFP4) columns.
+    const std::uint8_t h[3] = {static_cast<std::uint8_t>(2 | f), 2, 17};
+    const PlaneShape s{fmt_, 48, f ? 18u : 36u};
+    std::mt19937_64 r2(7200 + f);
+    CsfPlanes p = encode_planes(s,
+                                synthetic_scales(GridShape{fmt_, ScaleLayout::row_major, 1, s.rows, s.cols},
+                                                 ScaleDistribution::realistic, 7300 + f),
+                                "seed");
+    add_winning_records(p, r2);
+    put(out / "fuzz_b12x_planes" / fmt::format("wins{}", f), raw_planes_seed(h, p));
+  }
+  fmt::print("wrote {} checkpoint seeds, {} codec seeds, {} plane seeds and {} slab seeds under {}\n", i + 6,
+             n + 4, m + 6, q + 4, out.string());
   return 0;
 }

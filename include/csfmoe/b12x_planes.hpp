@@ -57,7 +57,8 @@ struct CsfPlanes {
   // bits past the last column 0.
   std::vector<std::uint8_t> fixed;
   // (byte << 24) | (row * cols + col) for every byte outside its row's window,
-  // strictly increasing; the code slot of such a byte is 0.
+  // strictly increasing; the code slot of such a byte is 0 (as the encoder
+  // writes them; readers also take records that win over their slot).
   std::vector<std::uint32_t> exceptions;
 };
 
@@ -69,10 +70,19 @@ CsfPlanes encode_planes(const PlaneShape& s, std::span<const std::uint8_t> nativ
 // Full check of untrusted planes; throws FormatError naming `name` and the
 // first violation: fixed plane size, bases above 240 (NVFP4) / 254 (MXFP4),
 // MXFP4 selector bits set past the last column, records not strictly
-// increasing, a position outside the grid, a record whose code slot is not 0,
-// a record whose byte lies inside its row's window. InvalidArgument for a bad shape.
+// increasing, a position outside the grid. A record wins over its slot (as
+// in b12x's and vLLM's readers): it may sit on a non-zero code or hold a
+// byte inside its row's window, and its byte is the value. InvalidArgument
+// for a bad shape.
 void validate_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,
                      std::span<const std::uint32_t> exceptions, std::string_view name);
+
+// Validated planes in the encoder's form, decoding to the same bytes: the
+// slot under each record holds code 0, and a record whose byte lies inside
+// its row's window is replaced by that code. Everything csfmoe writes or
+// keeps resident is in this form (slice_planes, concat_planes and
+// planes_to_csf return it).
+CsfPlanes canonical_planes(const CsfPlanes& planes, std::string_view name);
 
 // Validates, then writes the native grid (rows * cols bytes, byte-exact) to `native`.
 void decode_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,

@@ -217,6 +217,13 @@ ShardIndex read_shard_index(const std::filesystem::path& index_file);
 // inside `folder`; throws FormatError naming `what`.
 std::filesystem::path resolve_inside(const std::filesystem::path& folder, const std::string& name,
                                      const std::string& what);
+// Checks that `rel` ("a/b/c": plain names joined by '/', no "." or "..")
+// names a regular file (or, with `directory`, a folder) that resolves,
+// through every symlink on the way, to a path strictly inside `root`; a
+// loop, a dangling link or a link out of `root` is refused. Nothing is
+// opened. Throws FormatError naming `what`; returns root / rel.
+std::filesystem::path resolve_under(const std::filesystem::path& root, const std::string& rel,
+                                    const std::string& what, bool directory = false);
 
 inline constexpr std::string_view kIndexFileName = "model.safetensors.index.json";
 

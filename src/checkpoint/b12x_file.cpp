@@ -7,8 +7,10 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string_view>
+#include <tuple>
 
 #include "checkpoint/detect.hpp"
+#include "checkpoint/json_error.hpp"
 #include "csfmoe/b12x_planes.hpp"
 #include "csfmoe/errors.hpp"
 
@@ -32,9 +34,10 @@ std::optional<PlaneName> plane_name(std::string_view n) {
   return std::nullopt;
 }
 
-// MXFP4 columns from the scale's weight: X.weight / X.weight_packed for a
-// scale X.weight_scale, S.weight for a scale S.scale, S_blocks for S_scales.
-std::optional<std::uint64_t> mxfp4_cols(const st::File& f, const std::string& scale, std::uint64_t rows) {
+// The weight a scale belongs to: X.weight / X.weight_packed for a scale
+// X.weight_scale, S.weight for a scale S.scale, S_blocks for S_scales; the
+// first of them the file holds.
+const st::TensorInfo* scale_weight(const st::File& f, const std::string& scale) {
   std::vector<std::string> candidates;
   if (scale.ends_with("_scale")) {
     const std::string stem = scale.substr(0, scale.size() - 6);
@@ -44,16 +47,26 @@ std::optional<std::uint64_t> mxfp4_cols(const st::File& f, const std::string& sc
   } else if (scale.ends_with("_scales")) {
     candidates = {scale.substr(0, scale.size() - 7) + "_blocks"};
   }
-  for (const auto& c : candidates) {
-    const st::TensorInfo* w = f.find(c);
-    if (!w || w->shape.empty() || w->shape[0] != rows) continue;
-    if (w->shape.size() == 3 && w->dtype == st::Dtype::U8 && w->shape[2] == 16) return w->shape[1];  // blocks
-    if (w->shape.size() != 2) continue;
-    // Packed FP4: two elements a byte (U8 / I8), eight an I32; 32 per scale.
-    const std::uint64_t per = w->dtype == st::Dtype::I32 ? 8 : st::dtype_size(w->dtype) == 1 ? 2 : 0;
-    if (per && (w->shape[1] * per) % 32 == 0) return w->shape[1] * per / 32;
-  }
-  return std::nullopt;
+  for (const auto& c : candidates)
+    if (const st::TensorInfo* w = f.find(c)) return w;
+  return nullptr;
+}
+
+// Rows and scale columns (K / 16 or K / 32) of one expert projection's
+// packed FP4 weight: U8 / I8 [R, K / 2], I32 [R, K / 8] or blocks U8
+// [R, K / 32, 16]; nullopt for any other shape.
+std::optional<std::pair<std::uint64_t, std::uint64_t>> weight_grid(const st::TensorInfo& w,
+                                                                   ScaleFormat fmt_) {
+  const std::uint64_t g = group_size(fmt_);
+  std::uint64_t k = 0;
+  if (w.shape.size() == 3 && w.dtype == st::Dtype::U8 && w.shape[2] == 16)
+    k = w.shape[1] * 32;  // blocks
+  else if (w.shape.size() == 2 && w.dtype == st::Dtype::I32)
+    k = w.shape[1] * 8;
+  else if (w.shape.size() == 2 && st::dtype_size(w.dtype) == 1)
+    k = w.shape[1] * 2;
+  if (k == 0 || k % g || w.shape[0] == 0) return std::nullopt;
+  return std::pair{w.shape[0], k / g};
 }
 
 }  // namespace
@@ -71,6 +84,13 @@ std::optional<ForeignB12x> foreign_b12x(const st::File& f, const std::string& la
   for (const auto& t : f.tensors()) {
     const auto p = plane_name(t.name);
     if (!p) continue;
+    // Read as if the scale were there, it would be a tensor named like the
+    // header's metadata entry: no valid file can hold it.
+    if (p->scale == "__metadata__")
+      throw FormatError(fmt::format(
+          "{}: tensor '{}': planes of a scale named '__metadata__', the name safetensors keeps for its "
+          "metadata",
+          label, t.name));
     auto [it, fresh] = formats.emplace(p->scale, p->format);
     if (!fresh && it->second != p->format)
       throw FormatError(fmt::format("{}: tensor '{}': planes of both NVFP4 and MXFP4", label, p->scale));
@@ -91,29 +111,62 @@ std::optional<ForeignB12x> foreign_b12x(const st::File& f, const std::string& la
                       fixed ? b12x_exceptions_name(scale, fmt_) : b12x_fixed_name(scale, fmt_)));
     if (f.find(scale))
       throw FormatError(fmt::format("{}: present beside its b12x planes; which one holds the scales?", what));
-    if (fixed->dtype != st::Dtype::U8 || fixed->shape.size() != 2 || fixed->shape[0] == 0 ||
-        fixed->shape[1] < 32 || fixed->shape[1] % plane_slab_rows)
-      throw FormatError(
-          fmt::format("{}: fixed plane '{}' must be U8 [rows / 16, 16 * (1 + code bytes)], got {} {}", what,
-                      fixed->name, st::to_string(fixed->dtype), shape_str(fixed->shape)));
+    // The fixed plane is U8 [rows / 16, slab bytes], or flat U8 [n]: b12x's
+    // manifest readers reshape it by the weight's geometry (the published
+    // DeepSeek-V4.1 CSF export is reported to store it so).
+    const bool flat = fixed->shape.size() == 1;
+    if (fixed->dtype != st::Dtype::U8 ||
+        (!flat && (fixed->shape.size() != 2 || fixed->shape[0] == 0 || fixed->shape[1] < 32 ||
+                   fixed->shape[1] % plane_slab_rows)) ||
+        (flat && fixed->shape[0] == 0))
+      throw FormatError(fmt::format(
+          "{}: fixed plane '{}' must be U8 [rows / 16, 16 * (1 + code bytes)] (or flat U8 [n]), got {} {}",
+          what, fixed->name, st::to_string(fixed->dtype), shape_str(fixed->shape)));
     if (exc->dtype != st::Dtype::U32 || exc->shape.size() != 1)
       throw FormatError(fmt::format("{}: exceptions plane '{}' must be U32 [n], got {} {}", what, exc->name,
                                     st::to_string(exc->dtype), shape_str(exc->shape)));
-    const std::uint64_t rows = fixed->shape[0] * plane_slab_rows, code_bytes = fixed->shape[1] / 16 - 1;
-    std::uint64_t cols = 0;
-    if (fmt_ == ScaleFormat::nvfp4) {
-      cols = 2 * code_bytes;
+    // The weight gives the grid: rows and K / 16 (NVFP4) or K / 32 (MXFP4)
+    // columns. A plane whose slabs or columns contradict it is refused, as
+    // b12x's layer readers refuse it.
+    const st::TensorInfo* weight = scale_weight(f, scale);
+    const auto wgrid = weight ? weight_grid(*weight, fmt_) : std::nullopt;
+    const auto weight_str = [&] {
+      return fmt::format("its weight '{}' is {} {}", weight->name, st::to_string(weight->dtype),
+                         shape_str(weight->shape));
+    };
+    if (weight && !wgrid)
+      throw FormatError(fmt::format("{}: {}, not a packed FP4 weight of whole {}-element blocks", what,
+                                    weight_str(), group_size(fmt_)));
+    std::uint64_t rows = 0, cols = 0;
+    if (wgrid) {
+      std::tie(rows, cols) = *wgrid;
+      if (rows % plane_slab_rows || (fmt_ == ScaleFormat::nvfp4 && cols % 2) || rows > UINT32_MAX ||
+          cols > UINT32_MAX)
+        throw FormatError(fmt::format(
+            "{}: {}: a grid of {} x {} scales, which b12x's planes cannot hold (rows a multiple of 16, "
+            "NVFP4 columns even)",
+            what, weight_str(), rows, cols));
+      const std::uint64_t slab = plane_slab_bytes(fmt_, static_cast<std::uint32_t>(cols));
+      const std::uint64_t slabs = rows / plane_slab_rows;
+      const bool match =
+          flat ? fixed->shape[0] == slabs * slab : fixed->shape[0] == slabs && fixed->shape[1] == slab;
+      if (!match)
+        throw FormatError(fmt::format(
+            "{}: fixed plane '{}' {} does not fit {} (a {} x {} scale grid: {} slabs of {} bytes)", what,
+            fixed->name, shape_str(fixed->shape), weight_str(), rows, cols, slabs, slab));
+    } else if (flat) {
+      throw FormatError(
+          fmt::format("{}: flat fixed plane '{}' {} needs its weight's shape to be read, which the file does "
+                      "not hold",
+                      what, fixed->name, shape_str(fixed->shape)));
+    } else if (fmt_ == ScaleFormat::nvfp4) {
+      rows = fixed->shape[0] * plane_slab_rows;
+      cols = 2 * (fixed->shape[1] / 16 - 1);
     } else {
-      const auto c = mxfp4_cols(f, scale, rows);
-      if (!c)
-        throw FormatError(
-            fmt::format("{}: the MXFP4 columns of '{}' need its weight (a companion tensor with "
-                        "{} rows), which the file does not hold",
-                        what, fixed->name, rows));
-      cols = *c;
-      if (cols == 0 || (cols + 7) / 8 != code_bytes)
-        throw FormatError(fmt::format("{}: '{}' has {} selector bytes per row; its weight gives {} columns",
-                                      what, fixed->name, code_bytes, cols));
+      throw FormatError(
+          fmt::format("{}: the MXFP4 columns of '{}' need its weight (X.weight, X.weight_packed, S.weight "
+                      "or S_blocks), which the file does not hold",
+                      what, fixed->name));
     }
     if (rows > UINT32_MAX || cols > UINT32_MAX)
       throw FormatError(fmt::format("{}: a {} x {} grid is too large", what, rows, cols));
@@ -149,11 +202,14 @@ std::optional<ForeignB12x> foreign_b12x(const st::File& f, const std::string& la
 
 namespace {
 
-nlohmann::json read_json(const std::filesystem::path& p) {
+// `name` in `folder`, opened only where it resolves inside the folder.
+nlohmann::json read_json(const std::filesystem::path& folder, const char* name) {
+  const std::filesystem::path p = folder / name;
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(p, ec))
+  if (!std::filesystem::exists(std::filesystem::symlink_status(p, ec)))
     throw FormatError(
         fmt::format("{}: missing (b12x's export needs manifest.json and build-contract.json)", p.string()));
+  st::resolve_under(folder, name, p.string());
   std::string text;
   {
     std::FILE* f = std::fopen(p.c_str(), "rb");
@@ -174,7 +230,7 @@ nlohmann::json read_json(const std::filesystem::path& p) {
     if (!j.is_object()) throw FormatError(fmt::format("{}: not a JSON object", p.string()));
     return j;
   } catch (const nlohmann::json::exception& e) {
-    throw FormatError(fmt::format("{}: not valid JSON: {}", p.string(), e.what()));
+    throw FormatError(fmt::format("{}: {}", p.string(), json_error_text(e)));
   }
 }
 
@@ -194,7 +250,7 @@ std::optional<ManifestExport> read_manifest_export(const std::filesystem::path& 
   const bool has_m = fs::exists(fs::symlink_status(mpath, ec)),
              has_c = fs::exists(fs::symlink_status(cpath, ec));
   if (!has_m && !has_c) return std::nullopt;
-  const nlohmann::json m = read_json(mpath), c = read_json(cpath);
+  const nlohmann::json m = read_json(folder, kManifestFile), c = read_json(folder, kBuildContractFile);
   ManifestExport x;
   x.schema = string_field(m, "schema", mpath);
   x.codec = string_field(m, "codec", mpath);
@@ -229,8 +285,9 @@ std::optional<ManifestExport> read_manifest_export(const std::filesystem::path& 
     if (!name.ends_with(".safetensors") || !files.insert(name).second)
       throw FormatError(
           fmt::format("{}: shards[{}] '{}' is not a new .safetensors name", mpath.string(), i, name));
-    x.shards.push_back(
-        st::resolve_inside(folder / "tensors", name, fmt::format("{}: shards[{}]", mpath.string(), i)));
+    const std::string what = fmt::format("{}: shards[{}]", mpath.string(), i);
+    st::resolve_inside(folder / "tensors", name, what);                      // a plain name
+    x.shards.push_back(st::resolve_under(folder, "tensors/" + name, what));  // tensors/ itself inside too
   }
   const auto names = c.find("source_names");
   if (names == c.end() || !names->is_object())
@@ -251,6 +308,24 @@ std::optional<ManifestExport> read_manifest_export(const std::filesystem::path& 
     if (!used.count(f))
       throw FormatError(
           fmt::format("{}: shard '{}' holds none of the contract's source tensors", mpath.string(), f));
+  // The shards must hold the planes the schema names, and each tensor once
+  // (as Python's reader requires): a reader would otherwise take planes of
+  // the other format, or pick one of two copies.
+  std::map<std::string, std::string> where;
+  for (const auto& path : x.shards) {
+    const st::File shard = st::File::open(path);
+    for (const auto& t : shard.tensors()) {
+      const auto p = plane_name(t.name);
+      if (p && p->format != x.format)
+        throw FormatError(fmt::format("{}: tensor '{}': {} planes, but {} says {} ({})", path.string(),
+                                      t.name, to_string(p->format), mpath.string(), x.schema,
+                                      to_string(x.format)));
+      if (p && !p->fixed) continue;
+      const std::string logical = p ? p->scale : t.name;
+      if (auto [it, fresh] = where.emplace(logical, path.filename().string()); !fresh)
+        throw FormatError(fmt::format("{}: tensor '{}' is also in {}", path.string(), logical, it->second));
+    }
+  }
   return x;
 }
 

@@ -17,6 +17,7 @@
 #include "checkpoint/b12x_file.hpp"
 #include "checkpoint/container.hpp"
 #include "checkpoint/detect.hpp"
+#include "checkpoint/json_error.hpp"
 #include "checkpoint/tp_slice.hpp"
 #include "csfmoe/errors.hpp"
 #include "csfmoe/safetensors.hpp"
@@ -649,7 +650,7 @@ std::string rename_index_entries(const st::ShardIndex& idx, const std::map<std::
   try {
     orig = ojson::parse(idx.raw);
   } catch (const nlohmann::json::exception& e) {
-    throw FormatError(fmt::format("{}: not valid JSON: {}", label, e.what()));
+    throw FormatError(fmt::format("{}: {}", label, json_error_text(e)));
   }
   ojson wm = ojson::object();
   for (const auto& [tensor, s] : idx.weight_map) {
@@ -669,7 +670,7 @@ std::string rewrite_index(const st::ShardIndex& idx,
   try {
     orig = ojson::parse(idx.raw);
   } catch (const nlohmann::json::exception& e) {
-    throw FormatError(fmt::format("{}: not valid JSON: {}", label, e.what()));
+    throw FormatError(fmt::format("{}: {}", label, json_error_text(e)));
   }
   ojson wm = ojson::object();
   for (const auto& [tensor, s] : idx.weight_map) {
@@ -855,6 +856,8 @@ void decompress_checkpoint(const fs::path& in, const fs::path& out, const Compre
     write_file(tmp.path() / st::kIndexFileName, index.dump(2) + "\n");
     const fs::path meta = in / "metadata";
     std::error_code ec;
+    if (fs::exists(fs::symlink_status(meta, ec)))  // never a link out of the folder
+      st::resolve_under(in, "metadata", in.string(), /*directory=*/true);
     if (fs::is_directory(meta, ec))
       for (const auto& de : fs::directory_iterator(meta)) {
         const std::string n = de.path().filename().string();

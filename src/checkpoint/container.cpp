@@ -9,6 +9,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/json_error.hpp"
 #include "csfmoe/errors.hpp"
 
 namespace csfmoe::detail {
@@ -114,7 +115,7 @@ ojson parse_json(const std::string& text, const std::string& what) {
   try {
     return ojson::parse(text);
   } catch (const nlohmann::json::exception& e) {
-    throw FormatError(fmt::format("{}: not valid JSON: {}", what, e.what()));
+    throw FormatError(fmt::format("{}: {}", what, json_error_text(e)));
   }
 }
 
@@ -481,7 +482,7 @@ CsfTensor load_planes(const CsfEntry& e, const std::string& what, Get&& get) {
   const auto planes = get(b12x        ? b12x_fixed_name(e.name, g.format)
                           : slab_form ? p.slabs
                                       : p.planes,
-                          st::Dtype::U8, {std::uint64_t{g.experts} * slabs, slab});
+                          st::Dtype::U8, {std::uint64_t{g.experts} * slabs, slab}, /*flat_ok=*/b12x);
   const auto records =
       get(b12x ? b12x_exceptions_name(e.name, g.format) : p.exceptions, st::Dtype::U32, {e.exceptions});
   std::vector<std::uint32_t> counts(g.experts, static_cast<std::uint32_t>(e.exceptions));
@@ -546,14 +547,17 @@ CsfTensor load_csf_parts(const st::File& c, const CsfEntry& e, const std::string
     throw FormatError(fmt::format("{}: invalid grid in the descriptor: {}", what, x.what()));
   }
   const auto p = part_names(e.name);
-  auto get = [&](const std::string& n, st::Dtype d,
-                 const std::vector<std::uint64_t>& shape) -> std::span<const std::uint8_t> {
+  // `flat_ok`: a b12x fixed plane may also be stored flat, U8 [n] (see foreign_b12x).
+  auto get = [&](const std::string& n, st::Dtype d, const std::vector<std::uint64_t>& shape,
+                 bool flat_ok = false) -> std::span<const std::uint8_t> {
     const st::TensorInfo* ti = c.find(n);
     if (!ti) throw FormatError(fmt::format("{}: CSF part '{}' is missing", what, n));
     if (ti->dtype != d)
       throw FormatError(fmt::format("{}: CSF part '{}' must be {}, got {}", what, n, st::to_string(d),
                                     st::to_string(ti->dtype)));
-    if (ti->shape != shape)
+    const bool flat_match =
+        flat_ok && shape.size() == 2 && ti->shape.size() == 1 && ti->shape[0] == shape[0] * shape[1];
+    if (ti->shape != shape && !flat_match)
       throw FormatError(fmt::format("{}: CSF part '{}' has shape [{}], expected [{}]", what, n,
                                     fmt::join(ti->shape, ", "), fmt::join(shape, ", ")));
     return c.data(*ti);

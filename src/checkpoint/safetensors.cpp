@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 #include <unordered_set>
 
+#include "checkpoint/json_error.hpp"
 #include "csfmoe/errors.hpp"
 
 static_assert(std::endian::native == std::endian::little, "csfmoe assumes a little-endian host");
@@ -139,7 +140,7 @@ Header parse_header(std::string_view json, std::uint64_t data_size, const std::s
     DuplicateGuard guard(label);
     root = ojson::parse(json.begin(), json.end(), std::ref(guard), /*allow_exceptions=*/true);
   } catch (const nlohmann::json::exception& e) {
-    throw FormatError(fmt::format("{}: header is not valid JSON: {}", label, e.what()));
+    throw FormatError(fmt::format("{}: header is {}", label, detail::json_error_text(e)));
   }
   if (!root.is_object()) throw FormatError(fmt::format("{}: header is not a JSON object", label));
 
@@ -595,6 +596,12 @@ Writer::Writer(fs::path dest, std::uint64_t header_reserve)
 
 void Writer::begin_tensor(std::string name, Dtype dtype, std::vector<std::uint64_t> shape) {
   if (open_tensor_) throw InvalidArgument("safetensors writer: begin_tensor while a tensor is open");
+  // The header's metadata key: a tensor of that name makes an invalid file.
+  if (name == "__metadata__")
+    throw FormatError(
+        fmt::format("{}: tensor '__metadata__': the name safetensors keeps for the header's "
+                    "metadata cannot be a tensor",
+                    file_.destination().string()));
   TensorInfo t;
   t.name = std::move(name);
   t.dtype = dtype;
@@ -678,6 +685,38 @@ fs::path resolve_inside(const fs::path& folder, const std::string& name, const s
   return p;
 }
 
+fs::path resolve_under(const fs::path& root, const std::string& rel, const std::string& what,
+                       bool directory) {
+  bool plain = !rel.empty() && rel.find('\\') == std::string::npos && rel.find('\0') == std::string::npos;
+  for (std::size_t a = 0; plain && a <= rel.size();) {
+    const std::size_t b = std::min(rel.find('/', a), rel.size());
+    const std::string_view part(rel.data() + a, b - a);
+    plain = !part.empty() && part != "." && part != "..";
+    a = b + 1;
+  }
+  if (!plain)
+    throw FormatError(fmt::format("{}: '{}' is not a plain relative path inside the folder", what, rel));
+  const fs::path p = root / rel;
+  std::error_code ec;
+  const auto st = fs::status(p, ec);
+  if (ec == std::errc::too_many_symbolic_link_levels)
+    throw FormatError(fmt::format("{}: '{}' is a symlink loop ({})", what, rel, ec.message()));
+  if (!fs::exists(fs::symlink_status(p, ec)))
+    throw FormatError(fmt::format("{}: '{}' does not exist in {}", what, rel, root.string()));
+  if (!fs::exists(st)) throw FormatError(fmt::format("{}: '{}' is a dangling symlink", what, rel));
+  // Every link on the way resolved: the real path must stay under the real root.
+  const fs::path target = fs::canonical(p, ec);
+  std::error_code ec2;
+  const fs::path base = fs::canonical(root, ec2);
+  auto [b, t] = std::mismatch(base.begin(), base.end(), target.begin(), target.end());
+  if (ec || ec2 || b != base.end() || t == target.end())
+    throw FormatError(fmt::format("{}: '{}' resolves outside the folder ({})", what, rel,
+                                  ec ? ec.message() : target.string()));
+  if (directory ? !fs::is_directory(st) : !fs::is_regular_file(st))
+    throw FormatError(fmt::format("{}: '{}' is not a {}", what, rel, directory ? "folder" : "regular file"));
+  return p;
+}
+
 ShardIndex read_shard_index(const fs::path& index_file) {
   const std::string label = index_file.string();
   ShardIndex idx;
@@ -692,7 +731,7 @@ ShardIndex read_shard_index(const fs::path& index_file) {
     DuplicateGuard guard(label);
     root = ojson::parse(idx.raw, std::ref(guard), true);
   } catch (const nlohmann::json::exception& e) {
-    throw FormatError(fmt::format("{}: not valid JSON: {}", label, e.what()));
+    throw FormatError(fmt::format("{}: {}", label, detail::json_error_text(e)));
   } catch (const FormatError&) {
     throw;
   }

@@ -46,6 +46,12 @@ struct PlaneLayout {
     return nv() ? static_cast<u8>((codes[c / 2] >> ((c & 1) * 4)) & 0xF)
                 : static_cast<u8>((codes[c / 8] >> (c % 8)) & 1);
   }
+  void clear_code(u8* codes, u32 c) const {
+    if (nv())
+      codes[c / 2] = static_cast<u8>(codes[c / 2] & ~(0xF << ((c & 1) * 4)));
+    else
+      codes[c / 8] = static_cast<u8>(codes[c / 8] & ~(1 << (c % 8)));
+  }
   void set_code(u8* codes, u32 c, u8 code) const {
     if (nv())
       codes[c / 2] = static_cast<u8>(codes[c / 2] | (code << ((c & 1) * 4)));
@@ -74,6 +80,27 @@ struct SpreadBits {
 };
 constexpr SpreadBits kSpreadBits{};
 static_assert(std::endian::native == std::endian::little, "kSpreadBits words are stored as bytes");
+
+// Rewrites validated planes in the encoder's form, decoding to the same
+// bytes: b12x's and vLLM's readers let a record win over its slot, so a
+// record may sit on a non-zero code or hold a byte of its row's window. The
+// slot under a record becomes code 0; a record inside the window becomes
+// that code instead. csfmoe's resident form and every plane it writes keep
+// this form.
+void canonicalize(const PlaneLayout& L, std::vector<u8>& fixed, std::vector<u32>& exceptions) {
+  std::size_t kept = 0;
+  for (const u32 rec : exceptions) {
+    const u32 pos = csf::record_position(rec), r = pos / L.cols, c = pos % L.cols;
+    u8* codes = fixed.data() + L.codes_at(r);
+    const u8 d = static_cast<u8>(csf::record_value(rec) - fixed[L.base_at(r)]);
+    L.clear_code(codes, c);
+    if (d < L.window)
+      L.set_code(codes, c, d);
+    else
+      exceptions[kept++] = rec;
+  }
+  exceptions.resize(kept);
+}
 
 void check_ranges(const PlaneShape& s, std::span<const AxisRange> rows, AxisRange cols,
                   std::string_view name) {
@@ -195,20 +222,14 @@ void validate_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,
       throw FormatError(
           fmt::format("{}: b12x CSF exceptions: record {} has position {}, outside the {}x{} grid", name, i,
                       pos, s.rows, s.cols));
-    const u32 r = pos / s.cols, c = pos % s.cols;
-    if (const u8 code = L.code(fixed.data() + L.codes_at(r), c); code != 0)
-      throw FormatError(fmt::format(
-          "{}: b12x CSF exceptions: record {} (row {}, column {}) sits on a slot holding code {}, not on an "
-          "exception slot (code 0)",
-          name, i, r, c, code));
-    const u8 base = fixed[L.base_at(r)], v = csf::record_value(rec);
-    if (static_cast<u8>(v - base) < L.window)
-      throw FormatError(
-          fmt::format("{}: b12x CSF exceptions: record {} (row {}, column {}) stores byte 0x{:02x}, inside "
-                      "the row's window "
-                      "[{}, {}] (it must be a code)",
-                      name, i, r, c, v, base, base + L.window - 1));
   }
+}
+
+CsfPlanes canonical_planes(const CsfPlanes& planes, std::string_view name) {
+  validate_planes(planes.shape, planes.fixed, planes.exceptions, name);
+  CsfPlanes out = planes;
+  canonicalize(PlaneLayout(planes.shape), out.fixed, out.exceptions);
+  return out;
 }
 
 void decode_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,
@@ -251,10 +272,10 @@ std::vector<std::uint8_t> decode_planes(const CsfPlanes& planes, std::string_vie
   return out;
 }
 
-CsfPlanes slice_planes(const CsfPlanes& planes, std::span<const AxisRange> rows, AxisRange cols,
+CsfPlanes slice_planes(const CsfPlanes& source, std::span<const AxisRange> rows, AxisRange cols,
                        std::string_view name) {
+  const CsfPlanes planes = canonical_planes(source, name);  // slices are written: the encoder's form
   const PlaneShape& s = planes.shape;
-  validate_planes(s, planes.fixed, planes.exceptions, name);
   check_ranges(s, rows, cols, name);
   u64 out_rows = 0;
   for (const AxisRange& r : rows) out_rows += r.count;
@@ -315,7 +336,8 @@ CsfPlanes concat_planes(std::span<const CsfPlanes> parts, std::string_view name)
   check_plane_shape(out.shape, name);
   out.fixed.reserve(plane_fixed_bytes(out.shape));
   u32 row0 = 0;
-  for (const CsfPlanes& part : parts) {
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    const CsfPlanes part = canonical_planes(parts[i], fmt::format("{} part {}", name, i));
     out.fixed.insert(out.fixed.end(), part.fixed.begin(), part.fixed.end());
     const u32 shift = row0 * first.cols;  // row0 * cols < 2^24: the result passed check_plane_shape
     for (const u32 rec : part.exceptions)
@@ -334,8 +356,12 @@ CsfTensor planes_to_csf(std::span<const CsfPlanes> experts, std::string_view nam
     if (experts[e].shape != s)
       throw InvalidArgument(fmt::format("{}: b12x CSF planes to CSF: expert {} has grid {}, expert 0 has {}",
                                         name, e, to_string(experts[e].shape), to_string(s)));
-    validate_planes(s, experts[e].fixed, experts[e].exceptions, fmt::format("{} expert {}", name, e));
   }
+  // The resident form holds the encoder's form (csfmoe's validate requires it).
+  std::vector<CsfPlanes> canonical;
+  canonical.reserve(experts.size());
+  for (std::size_t e = 0; e < experts.size(); ++e)
+    canonical.push_back(canonical_planes(experts[e], fmt::format("{} expert {}", name, e)));
   if (experts.size() > std::numeric_limits<u32>::max())
     throw InvalidArgument(
         fmt::format("{}: b12x CSF planes to CSF: {} experts, too many", name, experts.size()));
@@ -353,11 +379,11 @@ CsfTensor planes_to_csf(std::span<const CsfPlanes> experts, std::string_view nam
   t.row_prefix.assign(g.total_rows() + 1, 0);
   const Fixed fx{g, t.fixed.data()};
   u64 total = 0;
-  for (std::size_t e = 0; e < E; ++e) total += experts[e].exceptions.size();
+  for (std::size_t e = 0; e < E; ++e) total += canonical[e].exceptions.size();
   if (total > std::numeric_limits<u32>::max()) too_many_exceptions(g, total);
   t.exceptions.reserve(total);
   for (u32 e = 0; e < E; ++e) {
-    const CsfPlanes& p = experts[e];
+    const CsfPlanes& p = canonical[e];
     if (L.nv()) {
       for (u32 r = 0; r < R; ++r) {
         fx.set_base(e, r, p.fixed[L.base_at(r)]);

@@ -98,10 +98,10 @@ struct B12xRows {
 
 }  // namespace
 
-Mxfp4SlabPlanes planes_to_mxfp4_slabs(const CsfPlanes& planes, std::string_view name) {
+Mxfp4SlabPlanes planes_to_mxfp4_slabs(const CsfPlanes& source, std::string_view name) {
+  check_mxfp4_shape(source.shape, name);
+  const CsfPlanes planes = canonical_planes(source, name);  // the slab form is written: encoder's form
   const PlaneShape& s = planes.shape;
-  check_mxfp4_shape(s, name);
-  validate_planes(s, planes.fixed, planes.exceptions, name);
   const B12xRows in(s.cols);
   const u64 slab_bytes = mxfp4_slab_bytes(s.cols);
   Mxfp4SlabPlanes out;

@@ -343,6 +343,28 @@ TEST(B12xPlanes, TamperedPlanesAreRefused) {
       p.exceptions.push_back((0xEEu << 24) | (R * C));
       expect_refused(p, "outside the");
     }
+    // Records win over their slot (b12x's and vLLM's readers): a record on a
+    // slot holding a non-zero code, or whose byte lies inside its row's
+    // window, is legal; its byte is the value, and the planes convert to the
+    // encoder's form of that grid.
+    const auto wins = [&](const CsfPlanes& p, const Bytes& want) {
+      const char* name = "model.layers.7.mlp.experts.3.up_proj.weight_scale";
+      EXPECT_NO_THROW(validate_planes(p.shape, p.fixed, p.exceptions, name));
+      EXPECT_TRUE(decode_planes(p, name) == want);
+      const CsfPlanes canon = canonical_planes(p, name);
+      EXPECT_TRUE(decode_planes(canon, name) == want);
+      const CsfTensor t = planes_to_csf(std::vector<CsfPlanes>{p}, name);
+      EXPECT_NO_THROW(validate(t));
+      const CsfPlanes back = csf_to_planes(t, name).at(0);
+      expect_same_planes(back, canon);
+      expect_same_planes(slice_planes(p, std::vector<AxisRange>{{0, R}}, {0, C}, name), canon);
+      for (const std::uint32_t rec : canon.exceptions) {  // the encoder's form
+        const std::uint32_t pos = rec & 0xFFFFFF;
+        const std::uint8_t base = canon.fixed[(pos / C / 16) * slab + (pos / C) % 16];
+        EXPECT_EQ(code_of(canon, pos / C, pos % C), 0u);
+        EXPECT_GE(static_cast<std::uint8_t>((rec >> 24) - base), f == kNv ? 16 : 2);
+      }
+    };
     {  // a record on a slot holding a non-zero code
       CsfPlanes p = good;
       std::vector<std::uint32_t> coded;  // positions whose code is not 0
@@ -351,19 +373,24 @@ TEST(B12xPlanes, TamperedPlanesAreRefused) {
       ASSERT_FALSE(coded.empty());
       const std::uint32_t pos = coded[std::uniform_int_distribution<std::size_t>(0, coded.size() - 1)(rng)];
       const std::uint8_t base = good.fixed[(pos / C / 16) * slab + (pos / C) % 16];
-      const std::uint32_t rec = (std::uint32_t{static_cast<std::uint8_t>(base + 128)} << 24) | pos;
+      const std::uint8_t value = static_cast<std::uint8_t>(base + 128);
+      const std::uint32_t rec = (std::uint32_t{value} << 24) | pos;
       p.exceptions.insert(
           std::upper_bound(p.exceptions.begin(), p.exceptions.end(), rec,
                            [](std::uint32_t a, std::uint32_t b) { return (a & 0xFFFFFF) < (b & 0xFFFFFF); }),
           rec);
-      expect_refused(p, "not on an exception slot");
+      Bytes want = native;
+      want[pos] = value;
+      wins(p, want);
     }
     {  // a record whose byte lies inside the row's window
       CsfPlanes p = good;
       const std::uint32_t pos = p.exceptions[0] & 0xFFFFFF;
       const std::uint8_t base = good.fixed[(pos / C / 16) * slab + (pos / C) % 16];
       p.exceptions[0] = (std::uint32_t{base} << 24) | pos;
-      expect_refused(p, "inside the row's window");
+      Bytes want = native;
+      want[pos] = base;
+      wins(p, want);
     }
     {  // truncated and overlong fixed planes
       CsfPlanes p = good;

@@ -252,15 +252,28 @@ TEST(Mxfp4SlabPlanes, TamperedPartsAreRefused) {
   refused(with([](auto& p) { std::swap(p.exceptions[0], p.exceptions[1]); }), "strictly increasing");
   refused(with([&](auto& p) { p.exceptions.back() = (p.exceptions.back() & 0xFF000000u) | (R * C); }),
           "outside");
-  refused(with([&](auto& p) {  // a set selector bit under a record
-            const std::uint32_t pos = p.exceptions[0] & 0xFFFFFF, r = pos / C, c = pos % C;
-            const std::uint32_t k = (r % 16) * C + c;
-            p.slabs[(r / 16) * slab + 5 + k / 8] |= std::uint8_t(1u << (k % 8));
-          }),
-          "not on an exception slot");
+  // Records win over their slot (b12x's and vLLM's rule): a set selector bit
+  // under a record, or a record whose byte is in its row's window, is read
+  // as the record's byte, and the planes go back to the encoder's form.
+  const auto wins = [&](const Mxfp4SlabPlanes& p, const Bytes& want) {
+    const CsfPlanes planes = mxfp4_slabs_to_planes(p, "t");
+    EXPECT_TRUE(decode_planes(planes, "t") == want);
+    const CsfTensor t = planes_to_csf(std::vector<CsfPlanes>{planes}, "t");
+    EXPECT_NO_THROW(validate(t));
+    const CsfPlanes back = csf_to_planes(t, "t").at(0), fresh = encode_planes(s, want, "t");
+    EXPECT_TRUE(back.fixed == fresh.fixed);
+    EXPECT_TRUE(back.exceptions == fresh.exceptions);
+  };
+  wins(with([&](auto& p) {  // a set selector bit under a record
+         const std::uint32_t pos = p.exceptions[0] & 0xFFFFFF, r = pos / C, c = pos % C;
+         const std::uint32_t k = (r % 16) * C + c;
+         p.slabs[(r / 16) * slab + 5 + k / 8] |= std::uint8_t(1u << (k % 8));
+       }),
+       native);
   // A record whose byte is in its row's window: base of row 0 is escaped, 200.
-  refused(with([&](auto& p) { p.exceptions[0] = (201u << 24) | (p.exceptions[0] & 0xFFFFFF); }),
-          "inside the row's window");
+  Bytes in_window = native;
+  in_window[good.exceptions[0] & 0xFFFFFF] = 201;
+  wins(with([&](auto& p) { p.exceptions[0] = (201u << 24) | (p.exceptions[0] & 0xFFFFFF); }), in_window);
 }
 
 // --- the container storage ---------------------------------------------------------
