@@ -302,7 +302,13 @@ std::optional<ManifestExport> read_manifest_export(const std::filesystem::path& 
       throw FormatError(fmt::format("{}: source_names['{}'] names shard '{}', which {} does not list",
                                     cpath.string(), it.key(), shard, mpath.string()));
     used.insert(shard);
-    x.source_names[it.key()] = shard;
+    // Some exports (b12x's test helpers) list the stored plane names: the
+    // source tensor is the scale they stand for, in the shard they name.
+    const auto p = plane_name(it.key());
+    const std::string source = p ? p->scale : it.key();
+    if (auto [at, fresh] = x.source_names.emplace(source, shard); !fresh && at->second != shard)
+      throw FormatError(fmt::format("{}: source_names['{}'] names shard '{}', but '{}' is in '{}'",
+                                    cpath.string(), it.key(), shard, source, at->second));
   }
   for (const auto& f : files)
     if (!used.count(f))

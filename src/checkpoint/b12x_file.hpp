@@ -41,8 +41,10 @@ std::optional<ForeignB12x> foreign_b12x(const st::File& file, const std::string&
 struct ManifestExport {
   std::string schema, codec;
   ScaleFormat format = ScaleFormat::nvfp4;
-  std::vector<std::filesystem::path> shards;        // resolved, under tensors/, in manifest order
-  std::map<std::string, std::string> source_names;  // source tensor -> shard file name
+  std::vector<std::filesystem::path> shards;  // resolved, under tensors/, in manifest order
+  // Source tensor -> shard file name; plane names listed in the contract
+  // stand for their scale tensor.
+  std::map<std::string, std::string> source_names;
 };
 inline constexpr const char* kManifestFile = "manifest.json";
 inline constexpr const char* kBuildContractFile = "build-contract.json";

@@ -548,8 +548,10 @@ std::pair<std::string, std::string> export_names(ScaleFormat f) {
 }
 
 // A manifest export of one layer: root/{manifest.json, build-contract.json, tensors/, metadata/}.
+// `plane_names`: source_names lists the stored plane names (as b12x's test
+// helpers write them), not the scale names.
 void make_export(const fs::path& root, ScaleFormat f, std::mt19937_64& rng,
-                 const std::string& schema_format = "", int shards = 1) {
+                 const std::string& schema_format = "", int shards = 1, bool plane_names = false) {
   fs::create_directories(root / "tensors");
   fs::create_directories(root / "metadata");
   std::ofstream(root / "metadata" / "config.json") << R"({"model_type": "test"})";
@@ -561,7 +563,7 @@ void make_export(const fs::path& root, ScaleFormat f, std::mt19937_64& rng,
     for (const auto& t : shard_file.tensors()) {
       std::string n = t.name;
       for (const std::string sfx : {b12x_fixed_name("", f), b12x_exceptions_name("", f)})
-        if (n.ends_with(sfx)) n.resize(n.size() - sfx.size());
+        if (n.ends_with(sfx) && !plane_names) n.resize(n.size() - sfx.size());
       // Every shard named by some source tensor: a second copy of the layer keeps the norm.
       if (!names.contains(n) || n == "model.norm.weight") names[n] = shard;
     }
@@ -726,6 +728,35 @@ TEST(B12xReading, PlanesOfATensorNamedMetadataAreRefused) {
     EXPECT_NE(std::string(e.what()).find("out.safetensors"), std::string::npos) << e.what();
   }
   EXPECT_TRUE(d.entries().empty());
+}
+
+// --- 6. source names that list the planes -----------------------------------
+TEST(B12xReading, ManifestSourceNamesOfPlanesGiveScaleNamesInTheIndex) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  for (ScaleFormat f : {kNv, kMx}) {
+    SCOPED_TRACE(to_string(f));
+    TempDir d;
+    const fs::path root = d.path / "export";
+    make_export(root, f, rng, "", 1, /*plane_names=*/true);
+    const auto contract = nlohmann::json::parse(read_bytes(root / "build-contract.json"));
+    ASSERT_TRUE(contract["source_names"].contains(b12x_fixed_name(kLayer + ".0.up_proj.weight_scale", f)));
+    EXPECT_NO_THROW(verify_checkpoint(root));
+    decompress_checkpoint(root, d.path / "hf");
+    const auto index = nlohmann::json::parse(read_bytes(d.path / "hf" / "model.safetensors.index.json"));
+    const auto shard = st::File::open(d.path / "hf" / "model-00001.safetensors");
+    std::size_t scales = 0;
+    for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
+      EXPECT_EQ(it.key().find("_csf_"), std::string::npos) << "a plane name in the index: " << it.key();
+      EXPECT_NE(shard.find(it.key()), nullptr) << it.key() << " is not in its shard";
+      scales += it.key().ends_with(".weight_scale");
+    }
+    EXPECT_EQ(scales, 6u);
+    EXPECT_EQ(index["weight_map"].size(), shard.tensors().size());
+    const MoeHostWeights a = load_moe_layer(root, kLayer, 2), b = load_moe_layer(d.path / "hf", kLayer, 2);
+    EXPECT_TRUE(a.w13_scales == b.w13_scales);
+    EXPECT_TRUE(a.w2_scales == b.w2_scales);
+  }
 }
 
 // --- 10. schema against planes, tensors in two shards ------------------------
