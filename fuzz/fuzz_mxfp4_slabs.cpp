@@ -8,7 +8,11 @@
 //   - mxfp4_slabs_to_planes() accepts or throws FormatError, nothing else,
 //     and never reads out of bounds (ASan) or hits UB (UBSan);
 //   - accepted parts give planes that validate_planes() accepts; those
-//     planes in slab form (planes_to_mxfp4_slabs) give the same planes back;
+//     planes in slab form (planes_to_mxfp4_slabs) give back their
+//     canonical_planes() (records may win over their slot, as in b12x's
+//     readers; the slab form is written in the encoder's form), which decode
+//     to the same bytes and are the planes themselves where they already had
+//     that form;
 //   - undamaged parts are the slab form of the encoder's planes and decode to
 //     their source.
 // Shapes stay small (<= 256 rows, <= 40 columns).
@@ -138,8 +142,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   validate_planes(s, planes.fixed, planes.exceptions, kName);  // a FormatError escaping here fails the run
   const Mxfp4SlabPlanes again = planes_to_mxfp4_slabs(planes, kName);
   const CsfPlanes back = mxfp4_slabs_to_planes(again, kName);
-  if (back.fixed != planes.fixed || back.exceptions != planes.exceptions)
-    fail("planes -> slabs -> planes is not the identity");
+  const CsfPlanes canon = canonical_planes(planes, kName);
+  if (back.fixed != canon.fixed || back.exceptions != canon.exceptions)
+    fail("planes -> slabs -> planes is not canonical_planes()");
+  if (decode_planes(back, kName) != decode_planes(planes, kName))
+    fail("planes -> slabs -> planes decode differently");
+  const CsfPlanes twice = canonical_planes(canon, kName);
+  if (twice.fixed != canon.fixed || twice.exceptions != canon.exceptions)
+    fail("canonical_planes() is not idempotent");
   if (!raw && edits == 0) {
     if (planes.fixed != encoded.fixed || planes.exceptions != encoded.exceptions)
       fail("undamaged slab parts do not give the encoder's planes");

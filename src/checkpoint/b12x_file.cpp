@@ -172,7 +172,11 @@ std::optional<ForeignB12x> foreign_b12x(const st::File& f, const std::string& la
       throw FormatError(fmt::format("{}: a {} x {} grid is too large", what, rows, cols));
     CsfEntry e;
     e.name = scale;
-    e.dtype = fmt_ == ScaleFormat::nvfp4 ? st::Dtype::F8_E4M3 : st::Dtype::U8;
+    // The scale's dtype in the source: E4M3 for NVFP4; DeepSeek-V4.1 (S.scale)
+    // ships its MXFP4 scales as F8_E8M0, the other namings as U8.
+    e.dtype = fmt_ == ScaleFormat::nvfp4  ? st::Dtype::F8_E4M3
+              : scale.ends_with(".scale") ? st::Dtype::F8_E8M0
+                                          : st::Dtype::U8;
     e.shape = {rows, cols};
     e.grid = GridShape{fmt_, ScaleLayout::row_major, 1, static_cast<std::uint32_t>(rows),
                        static_cast<std::uint32_t>(cols)};

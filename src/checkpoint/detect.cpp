@@ -74,6 +74,8 @@ Detection detect_scales(const st::Header& header, ScaleLayout layout, const std:
     bool gptoss = false;
     if (t.name.ends_with(".weight_scale")) {
       companion = t.name.substr(0, t.name.size() - 6);  // "X.weight_scale" -> "X.weight"
+    } else if (t.name.ends_with(".scale")) {
+      companion = t.name.substr(0, t.name.size() - 6) + ".weight";  // DeepSeek-V4.1: "S.scale" -> "S.weight"
     } else if (t.name.ends_with("_scales")) {
       companion = t.name.substr(0, t.name.size() - 7) + "_blocks";
       gptoss = true;

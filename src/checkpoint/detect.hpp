@@ -28,9 +28,9 @@ struct Detection {
 
 // Finds NVFP4 (ModelOpt: X.weight U8 [.., R, K/2] + X.weight_scale F8_E4M3
 // [.., R, K/16]) and MXFP4 (gpt-oss: X_blocks U8 [.., R, K/32, 16] + X_scales
-// U8 [.., R, K/32]; or X.weight + X.weight_scale with K/32 columns) scale
-// tensors. Leading dimensions are stacked experts. A scale whose shape proves
-// its format but whose dtype is wrong throws FormatError naming `label` and the tensor.
+// U8 [.., R, K/32]; or X.weight + X.weight_scale with K/32 columns; or
+// DeepSeek-V4.1's S.weight + S.scale, F8_E8M0) scale tensors. Leading dimensions are stacked experts. A scale
+// whose shape proves its format but whose dtype is wrong throws FormatError naming `label` and the tensor.
 Detection detect_scales(const st::Header& header, ScaleLayout layout, const std::string& label);
 
 // The layout of a file's scale tensors: its __metadata__ kScaleLayoutKey tag

@@ -293,9 +293,8 @@ TEST(B12xReading, FlatFixedPlanesReadLikeTwoDimensionalOnes) {
     decompress_checkpoint(d.path / "planes.safetensors", d.path / "planes-native.safetensors");
     EXPECT_EQ(read_bytes(d.path / "flat-native.safetensors"),
               read_bytes(d.path / "planes-native.safetensors"));
-    if (sh.deepseek) continue;  // the layer rules and --tp of S.scale names: item 4
-    // The layer loads the same.
-    {
+    // The layer loads the same (the layer rules know ModelOpt and gpt-oss names, not S.scale).
+    if (!sh.deepseek) {
       const MoeHostWeights x = load_moe_layer(d.path / "flat.safetensors", kLayer, 2);
       const MoeHostWeights y = load_moe_layer(d.path / "planes-native.safetensors", kLayer, 2);
       EXPECT_TRUE(x.w13_scales == y.w13_scales);
@@ -432,8 +431,7 @@ TEST(B12xReading, RecordsWinOverTheirSlot) {
       const auto bytes = native.data(*native.find(scale));
       EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), grid.begin(), grid.end())) << scale;
     }
-    if (sh.deepseek) continue;  // the layer rules, --schema b12x and --tp of S.scale names: item 4
-    {
+    if (!sh.deepseek) {  // the layer rules know ModelOpt and gpt-oss names, not S.scale
       const MoeHostWeights x = load_moe_layer(in, kLayer, 2);
       const MoeHostWeights y = load_moe_layer(d.path / "native.safetensors", kLayer, 2);
       EXPECT_TRUE(x.w13_scales == y.w13_scales);
@@ -757,6 +755,114 @@ TEST(B12xReading, ManifestSourceNamesOfPlanesGiveScaleNamesInTheIndex) {
     EXPECT_TRUE(a.w13_scales == b.w13_scales);
     EXPECT_TRUE(a.w2_scales == b.w2_scales);
   }
+}
+
+// --- 4. DeepSeek-V4.1 names ---------------------------------------------------
+// A native DeepSeek-V4.1 layer: S.weight U8 [R, K / 2] + S.scale F8_E8M0 [R, K / 32], w1 / w3 / w2.
+std::map<std::string, Bytes> write_deepseek(const fs::path& p, std::mt19937_64& rng, std::uint32_t H) {
+  std::map<std::string, Bytes> scales;
+  const std::uint32_t N = 64;
+  st::Writer w(p, 1 << 16);
+  for (std::uint32_t e = 0; e < 2; ++e)
+    for (const char* proj : {"w1", "w3", "w2"}) {
+      const bool down = std::string(proj) == "w2";
+      const std::uint32_t R = down ? H : N, K = down ? N : H, C = K / 32;
+      const std::string stem = fmt::format("{}.{}.{}", kLayer, e, proj);
+      Bytes weight(std::uint64_t{R} * K / 2);
+      for (auto& x : weight) x = static_cast<std::uint8_t>(rng());
+      w.add_tensor(stem + ".weight", st::Dtype::U8, {R, K / 2}, weight);
+      const Bytes grid = synthetic_scales(GridShape{kMx, ScaleLayout::row_major, 1, R, C},
+                                          ScaleDistribution::realistic, rng());
+      w.add_tensor(stem + ".scale", st::Dtype::F8_E8M0, {R, C}, grid);
+      scales[stem + ".scale"] = grid;
+    }
+  w.add_tensor("embed.weight", st::Dtype::BF16, {8}, Bytes(16, 0x3F));
+  w.commit(st::Metadata{{"format", "pt"}});
+  return scales;
+}
+
+TEST(B12xReading, DeepSeekNamesCompressSliceAndRestoreTheirScaleDtype) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  for (const std::uint32_t H : {1024u, 640u}) {
+    SCOPED_TRACE(fmt::format("H {}", H));
+    TempDir d;
+    const fs::path src = d.path / "ds.safetensors";
+    const auto scales = write_deepseek(src, rng, H);
+    // --schema b12x finds S.scale as an MXFP4 block scale and stores its planes.
+    CompressOptions b12x;
+    b12x.schema = CheckpointSchema::b12x;
+    compress_checkpoint(src, d.path / "b12x.safetensors", b12x);
+    const auto out = st::File::open(d.path / "b12x.safetensors");
+    for (const auto& [name, grid] : scales) {
+      EXPECT_NE(out.find(b12x_fixed_name(name, kMx)), nullptr) << name;
+      EXPECT_EQ(out.find(name), nullptr) << name;
+    }
+    decompress_checkpoint(d.path / "b12x.safetensors", d.path / "back.safetensors");
+    EXPECT_EQ(read_bytes(d.path / "back.safetensors"), read_bytes(src));
+    // The same planes without csfmoe's metadata (as b12x writes them): the
+    // restored scales keep DeepSeek's F8_E8M0.
+    {
+      st::Writer w(d.path / "foreign.safetensors", 1 << 16);
+      for (const auto& t : out.tensors()) w.add_tensor(t.name, t.dtype, t.shape, out.data(t));
+      w.commit(std::nullopt);
+    }
+    EXPECT_NO_THROW(verify_checkpoint(d.path / "foreign.safetensors"));
+    decompress_checkpoint(d.path / "foreign.safetensors", d.path / "native.safetensors");
+    const auto native = st::File::open(d.path / "native.safetensors");
+    for (const auto& [name, grid] : scales) {
+      const auto* t = native.find(name);
+      ASSERT_NE(t, nullptr) << name;
+      EXPECT_EQ(t->dtype, st::Dtype::F8_E8M0) << name;
+      const auto bytes = native.data(*t);
+      EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), grid.begin(), grid.end())) << name;
+    }
+    // --tp knows w1 / w3 (rows) and w2 (columns), of the native file and of its planes.
+    for (const fs::path& in : {src, d.path / "foreign.safetensors"}) {
+      SCOPED_TRACE(in.filename().string());
+      CompressOptions o;
+      o.tp = 2;
+      o.tp_rank = 1;
+      const fs::path tp = d.path / ("tp-" + in.filename().string());
+      compress_checkpoint(in, tp, o);
+      const CheckpointFile f = CheckpointFile::open(tp);
+      for (const auto& [name, grid] : scales) {
+        const bool down = name.find(".w2.") != std::string::npos;
+        const std::uint32_t R = down ? H : 64, C = (down ? 64 : H) / 32;
+        Bytes want;
+        for (std::uint32_t r = 0; r < R; ++r)
+          for (std::uint32_t c = 0; c < C; ++c)
+            if (down ? c >= C / 2 : r >= R / 2) want.push_back(grid[std::size_t{r} * C + c]);
+        EXPECT_TRUE(f.read(name) == want) << name;
+      }
+    }
+  }
+}
+
+TEST(B12xReading, CompressSaysSoWhenItFindsNoBlockScale) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  TempDir d;
+  {
+    st::Writer w(d.path / "plain.safetensors", 1 << 12);
+    Bytes b(64);
+    for (auto& x : b) x = static_cast<std::uint8_t>(rng());
+    w.add_tensor("model.layers.0.mlp.down.weight", st::Dtype::BF16, {32}, b);
+    w.commit(std::nullopt);
+  }
+  fs::create_directories(d.path / "io");
+  const ToolRun r =
+      csf_tool({"compress", (d.path / "plain.safetensors").string(), (d.path / "out.safetensors").string()},
+               d.path / "io");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("no block-scale tensor found"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("plain.safetensors"), std::string::npos) << r.err;
+  write_deepseek(d.path / "ds.safetensors", rng, 1024);
+  const ToolRun ok = csf_tool({"compress", "--schema", "b12x", (d.path / "ds.safetensors").string(),
+                               (d.path / "ds-b12x.safetensors").string()},
+                              d.path / "io");
+  EXPECT_EQ(ok.code, 0) << ok.err;
+  EXPECT_EQ(ok.err.find("no block-scale"), std::string::npos) << ok.err;
 }
 
 // --- 10. schema against planes, tensors in two shards ------------------------

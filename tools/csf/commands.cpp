@@ -1,6 +1,7 @@
 // inspect, compress, decompress, verify: thin wrappers over checkpoint.hpp.
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 
@@ -83,6 +84,14 @@ int run_compress(const CompressArgs& a) {
     throw;
   }
   progress.finish();
+  // A checkpoint without any block scale is copied as is: say so, even with
+  // --quiet, rather than let an unrecognised naming pass for a compression.
+  if (std::none_of(report.tensors.begin(), report.tensors.end(),
+                   [](const TensorReport& t) { return t.format; }))
+    fmt::print(stderr,
+               "csf: warning: {}: no block-scale tensor found (NVFP4 / MXFP4 scales named X.weight_scale, "
+               "S.scale or X_scales beside their FP4 weight); every tensor was stored unchanged\n",
+               a.in.string());
   if (!a.quiet) {
     print_kept_native(stdout, report);
     print_report_table(stdout, report);
