@@ -210,7 +210,8 @@ struct ShardIndex {
   std::vector<std::string> shards;                              // distinct shard names, first-use order
 };
 // Parses and validates the index in `folder`: shard names must be plain file
-// names (no separators, "." or ".."), name existing regular files, and
+// names or relative paths of plain names ("tensors/model-00001.safetensors";
+// no "." or "..", no absolute path), name existing regular files, and
 // symlinks must resolve inside the folder. Throws FormatError naming the index and entry.
 ShardIndex read_shard_index(const std::filesystem::path& index_file);
 // Checks that `name` (a shard or other entry) is a plain name that resolves to a regular file
@@ -224,6 +225,10 @@ std::filesystem::path resolve_inside(const std::filesystem::path& folder, const 
 // opened. Throws FormatError naming `what`; returns root / rel.
 std::filesystem::path resolve_under(const std::filesystem::path& root, const std::string& rel,
                                     const std::string& what, bool directory = false);
+// A shard named by an index: resolve_inside for a plain name, resolve_under
+// for a path into a sub-folder.
+std::filesystem::path resolve_shard(const std::filesystem::path& folder, const std::string& shard,
+                                    const std::string& what);
 
 inline constexpr std::string_view kIndexFileName = "model.safetensors.index.json";
 

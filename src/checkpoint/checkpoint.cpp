@@ -588,10 +588,52 @@ void copy_plain(const fs::path& from, const fs::path& to) {
   if (ec) throw IoError(fmt::format("cannot copy {} to {}: {}", from.string(), to.string(), ec.message()));
 }
 
+// Output path of the shard `n` ("x.safetensors" or "tensors/x.safetensors")
+// in folder `root`, its sub-folder created.
+fs::path out_file(const fs::path& root, const std::string& n) {
+  const fs::path p = root / n;
+  std::error_code ec;
+  if (n.find('/') != std::string::npos && (fs::create_directories(p.parent_path(), ec), ec))
+    throw IoError(fmt::format("cannot create {}: {}", p.parent_path().string(), ec.message()));
+  return p;
+}
+
+// Copies folder `from` (the checkpoint's `rel`) to `to` as copy_plain does,
+// leaving out the shards in `skip` (paths relative to the checkpoint folder):
+// a sub-folder of shards that an index lists is written shard by shard.
+void copy_tree_except(const fs::path& from, const fs::path& to, const std::string& rel,
+                      const std::set<std::string>& skip) {
+  std::error_code ec;
+  fs::create_directories(to, ec);
+  if (ec) throw IoError(fmt::format("cannot create {}: {}", to.string(), ec.message()));
+  for (const auto& de : fs::directory_iterator(from)) {
+    const std::string name = de.path().filename().string(), r = rel + "/" + name;
+    if (skip.count(r)) continue;
+    if (de.is_symlink(ec))
+      fs::copy_symlink(de.path(), to / name, ec);  // symlinks inside sub-folders are copied, never followed
+    else if (de.is_directory(ec))
+      copy_tree_except(de.path(), to / name, r, skip);
+    else
+      fs::copy_file(de.path(), to / name, fs::copy_options::none, ec);
+    if (ec)
+      throw IoError(
+          fmt::format("cannot copy {} to {}: {}", de.path().string(), (to / name).string(), ec.message()));
+  }
+}
+
 // The folder's entries, split into safetensors files (validated, opened) and others.
 struct Folder {
-  std::vector<std::pair<std::string, st::File>> files;  // sorted by name
+  std::vector<std::pair<std::string, st::File>> files;  // sorted by name; index shards in sub-folders by path
   std::vector<std::string> others;                      // index excluded
+  std::set<std::string> nested;  // index shards in sub-folders ("tensors/x.safetensors")
+  // Copies the top-level entry `n` to `to`, leaving out the nested shards (written separately).
+  void copy_other(const fs::path& in, const std::string& n, const fs::path& to) const {
+    const auto it = nested.lower_bound(n + "/");
+    if (it != nested.end() && it->starts_with(n + "/"))
+      copy_tree_except(in / n, to, n, nested);
+    else
+      copy_plain(in / n, to);
+  }
   std::optional<st::ShardIndex> index;
   std::optional<ManifestExport> manifest;  // b12x's manifest export: files are its tensors/ shards
 };
@@ -618,6 +660,13 @@ Folder open_folder(const fs::path& in) {
       f.others.push_back(n);
     }
   }
+  // Shards an index lists in a sub-folder (tensors/model-00001.safetensors),
+  // checked to resolve inside the folder by read_shard_index.
+  if (f.index)
+    for (const auto& s : f.index->shards)
+      if (s.find('/') != std::string::npos && f.nested.insert(s).second)
+        f.files.emplace_back(s, st::File::open(st::resolve_shard(in, s, (in / st::kIndexFileName).string())));
+  std::sort(f.files.begin(), f.files.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   if (f.files.empty())
     throw InvalidArgument(fmt::format("{}: the folder holds no .safetensors file", in.string()));
   return f;
@@ -774,14 +823,14 @@ CheckpointReport compress_whole(const fs::path& in, const fs::path& out, const C
   std::map<std::string, std::map<std::string, std::vector<std::string>>> csf;
   std::uint64_t total_stored = 0;
   for (const auto& [n, file] : f.files) {
-    FileResult r = compress_file(file, tmp.path() / n, n, job, rep, true, planes_of(n));
+    FileResult r = compress_file(file, out_file(tmp.path(), n), n, job, rep, true, planes_of(n));
     for (const auto& t : r.stored) total_stored += t.nbytes();
     csf[n] = std::move(r.csf_parts);
   }
   if (f.index)
     write_file(tmp.path() / st::kIndexFileName,
                rewrite_index(*f.index, csf, total_stored, (in / st::kIndexFileName).string()));
-  for (const auto& n : f.others) copy_plain(in / n, tmp.path() / n);
+  for (const auto& n : f.others) f.copy_other(in, n, tmp.path() / n);
   tmp.commit();
   return rep;
 }
@@ -883,7 +932,7 @@ void decompress_checkpoint(const fs::path& in, const fs::path& out, const Compre
     const auto& [n, file] = f.files[i];
     if (!infos[i]) {
       if (const auto b12x = foreign_b12x(file, file.path().string())) {
-        st::Writer w(tmp.path() / n,
+        st::Writer w(out_file(tmp.path(), n),
                      st::Writer::header_json_size(b12x->logical.tensors, b12x->logical.metadata) + 1024);
         CheckpointReport ignored;
         read_b12x_file(file, *b12x, &w, n, job, ignored);
@@ -893,11 +942,11 @@ void decompress_checkpoint(const fs::path& in, const fs::path& out, const Compre
             plane_to_scale[part] = e.name;
         continue;
       }
-      copy_plain(file.path(), tmp.path() / n);
+      copy_plain(file.path(), out_file(tmp.path(), n));
       job.tick(file.data_size(), n, "");
       continue;
     }
-    st::AtomicFile dest(tmp.path() / n);
+    st::AtomicFile dest(out_file(tmp.path(), n));
     restore_file(file, *infos[i], &dest, n, job, nullptr);
     dest.commit();
   }
@@ -910,7 +959,7 @@ void decompress_checkpoint(const fs::path& in, const fs::path& out, const Compre
     else
       write_file(tmp.path() / st::kIndexFileName, f.index->raw);
   }
-  for (const auto& n : f.others) copy_plain(in / n, tmp.path() / n);
+  for (const auto& n : f.others) f.copy_other(in, n, tmp.path() / n);
   tmp.commit();
 }
 

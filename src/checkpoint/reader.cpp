@@ -161,7 +161,7 @@ std::vector<fs::path> checkpoint_files(const fs::path& checkpoint) {
   if (fs::exists(fs::symlink_status(index, ec))) {
     st::resolve_inside(checkpoint, std::string(st::kIndexFileName), index.string());
     for (const auto& s : st::read_shard_index(index).shards)
-      out.push_back(st::resolve_inside(checkpoint, s, index.string()));
+      out.push_back(st::resolve_shard(checkpoint, s, index.string()));
   } else {
     std::vector<std::string> names;
     for (const auto& de : fs::directory_iterator(checkpoint))

@@ -695,7 +695,8 @@ fs::path resolve_under(const fs::path& root, const std::string& rel, const std::
     a = b + 1;
   }
   if (!plain)
-    throw FormatError(fmt::format("{}: '{}' is not a plain relative path inside the folder", what, rel));
+    throw FormatError(
+        fmt::format("{}: '{}' is not a plain file name or relative path inside the folder", what, rel));
   const fs::path p = root / rel;
   std::error_code ec;
   const auto st = fs::status(p, ec);
@@ -710,11 +711,16 @@ fs::path resolve_under(const fs::path& root, const std::string& rel, const std::
   const fs::path base = fs::canonical(root, ec2);
   auto [b, t] = std::mismatch(base.begin(), base.end(), target.begin(), target.end());
   if (ec || ec2 || b != base.end() || t == target.end())
-    throw FormatError(fmt::format("{}: '{}' resolves outside the folder ({})", what, rel,
+    throw FormatError(fmt::format("{}: '{}' leaves the folder (it resolves outside it: {})", what, rel,
                                   ec ? ec.message() : target.string()));
   if (directory ? !fs::is_directory(st) : !fs::is_regular_file(st))
     throw FormatError(fmt::format("{}: '{}' is not a {}", what, rel, directory ? "folder" : "regular file"));
   return p;
+}
+
+fs::path resolve_shard(const fs::path& folder, const std::string& shard, const std::string& what) {
+  return shard.find('/') == std::string::npos ? resolve_inside(folder, shard, what)
+                                              : resolve_under(folder, shard, what);
 }
 
 ShardIndex read_shard_index(const fs::path& index_file) {
@@ -745,7 +751,7 @@ ShardIndex read_shard_index(const fs::path& index_file) {
       throw FormatError(fmt::format("{}: weight_map['{}'] must be a shard file name", label, it.key()));
     const std::string shard = it.value().get<std::string>();
     if (seen.insert(shard).second) {
-      resolve_inside(folder, shard, fmt::format("{}: weight_map['{}']", label, it.key()));
+      resolve_shard(folder, shard, fmt::format("{}: weight_map['{}']", label, it.key()));
       idx.shards.push_back(shard);
     }
     idx.weight_map.emplace_back(it.key(), shard);

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 
 #include "checkpoint/b12x_file.hpp"
@@ -194,6 +196,41 @@ void slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsigned tp, u
   if (!fs::create_directory(out, ec) || ec)
     throw IoError(
         fmt::format("{}: cannot create folder: {}", out.string(), ec ? ec.message() : "already exists"));
+  // Shards an index lists in a sub-folder ("tensors/x.safetensors"): sliced
+  // in place, the sub-folder's other files copied.
+  std::set<std::string> nested;
+  if (fs::exists(fs::symlink_status(in / st::kIndexFileName, ec)))
+    for (const auto& s : st::read_shard_index(in / st::kIndexFileName).shards)
+      if (s.find('/') != std::string::npos) nested.insert(s);
+  // The slice is native: the index entries of b12x planes become their scale's.
+  std::map<std::string, std::string> plane_to_scale;
+  const auto slice_file = [&](const fs::path& from, const std::string& n, const fs::path& to) {
+    const CheckpointFile f = CheckpointFile::open(from);
+    if (f.is_b12x())
+      for (const auto& e : f.csf_entries())
+        for (const auto& part : e.parts) plane_to_scale[part] = e.name;
+    FileSlicer(f, tp, rank, layout, planes ? &(*planes)[n] : nullptr).write(to);
+  };
+  const auto slice_tree = [&](const auto& self, const fs::path& from, const fs::path& to,
+                              const std::string& rel) -> void {
+    std::error_code e2;
+    if (!fs::create_directory(to, e2) || e2)
+      throw IoError(
+          fmt::format("{}: cannot create folder: {}", to.string(), e2 ? e2.message() : "already exists"));
+    for (const auto& de : fs::directory_iterator(from)) {
+      const std::string name = de.path().filename().string(), r = rel + "/" + name;
+      if (nested.count(r)) {
+        slice_file(st::resolve_shard(in, r, in.string()), r, to / name);
+      } else if (!de.is_symlink(e2) && de.is_directory(e2)) {
+        self(self, de.path(), to / name, r);
+      } else {
+        fs::copy(de.path(), to / name, fs::copy_options::copy_symlinks, e2);
+        if (e2)
+          throw IoError(fmt::format("cannot copy {} to {}: {}", de.path().string(), (to / name).string(),
+                                    e2.message()));
+      }
+    }
+  };
   std::vector<std::string> names;
   for (const auto& de : fs::directory_iterator(in)) names.push_back(de.path().filename().string());
   std::sort(names.begin(), names.end());
@@ -202,22 +239,37 @@ void slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsigned tp, u
     if (fs::is_symlink(fs::symlink_status(p, ec)))
       throw Unsupported(
           fmt::format("{}: '{}' is a symlink; tensor-parallel slicing needs plain files", in.string(), n));
-    if (n.ends_with(".safetensors")) {
-      const CheckpointFile f = CheckpointFile::open(st::resolve_inside(in, n, in.string()));
-      FileSlicer(f, tp, rank, layout, planes ? &(*planes)[n] : nullptr).write(out / n);
+    if (const auto it = nested.lower_bound(n + "/"); it != nested.end() && it->starts_with(n + "/")) {
+      slice_tree(slice_tree, p, out / n, n);
+    } else if (n.ends_with(".safetensors")) {
+      slice_file(st::resolve_inside(in, n, in.string()), n, out / n);
     } else if (n == st::kIndexFileName) {
-      // The index names tensors, not shapes: it stays valid for the slice
-      // (a container folder's rewritten index gives back the original).
-      const std::string raw = st::read_shard_index(p).raw;
-      std::ofstream o(out / n, std::ios::binary);
-      o << original_index(raw, p.string()).value_or(raw);
-      if (!o.flush()) throw IoError(fmt::format("cannot write {}", (out / n).string()));
+      continue;  // written once every shard is sliced
     } else {
       // The index names tensors, not shapes: it stays valid for the slice.
       fs::copy(p, out / n, fs::copy_options::recursive | fs::copy_options::copy_symlinks, ec);
       if (ec)
         throw IoError(fmt::format("cannot copy {} to {}: {}", p.string(), (out / n).string(), ec.message()));
     }
+  }
+  if (const fs::path p = in / st::kIndexFileName; fs::exists(fs::symlink_status(p, ec))) {
+    // The index names tensors, not shapes: it stays valid for the slice (a
+    // container folder's rewritten index gives back the original; b12x
+    // planes are renamed to their scale, as decompress does).
+    const st::ShardIndex idx = st::read_shard_index(p);
+    std::string text = original_index(idx.raw, p.string()).value_or(idx.raw);
+    if (!plane_to_scale.empty()) {
+      nlohmann::ordered_json j = nlohmann::ordered_json::parse(text), wm = nlohmann::ordered_json::object();
+      for (const auto& [tensor, shard] : idx.weight_map) {
+        const auto it = plane_to_scale.find(tensor);
+        wm[it == plane_to_scale.end() ? tensor : it->second] = shard;
+      }
+      j["weight_map"] = std::move(wm);
+      text = j.dump(2) + "\n";
+    }
+    std::ofstream o(out / st::kIndexFileName, std::ios::binary);
+    o << text;
+    if (!o.flush()) throw IoError(fmt::format("cannot write {}", (out / st::kIndexFileName).string()));
   }
 }
 

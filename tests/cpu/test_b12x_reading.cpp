@@ -622,18 +622,18 @@ TEST(B12xReading, ExportFilesThatLeaveTheFolderAreRefused) {
       fs::rename(root / name, outside / name);
       write_bytes(outside / "secret.json", secret);
       fs::create_symlink(outside / "secret.json", root / name);
-      expect_folder_refused(root, {name, "outside the folder"}, {"SECRET"});
+      expect_folder_refused(root, {name, "leaves the folder"}, {"SECRET"});
       // A link to a valid copy outside is refused too.
       fs::remove(root / name);
       fs::create_symlink(outside / name, root / name);
-      expect_folder_refused(root, {name, "outside the folder"}, {"SECRET"});
+      expect_folder_refused(root, {name, "leaves the folder"}, {"SECRET"});
       fs::remove(root / name);
       fs::rename(outside / name, root / name);
     }
     // tensors/ as a link to a folder outside holding the same shards.
     fs::rename(root / "tensors", outside / "tensors");
     fs::create_directory_symlink(outside / "tensors", root / "tensors");
-    expect_folder_refused(root, {"model-00001.safetensors", "outside the folder"}, {});
+    expect_folder_refused(root, {"model-00001.safetensors", "leaves the folder"}, {});
     fs::remove(root / "tensors");
     fs::rename(outside / "tensors", root / "tensors");
     // metadata/ as a link out: decompress would copy files from elsewhere.
@@ -726,6 +726,105 @@ TEST(B12xReading, PlanesOfATensorNamedMetadataAreRefused) {
     EXPECT_NE(std::string(e.what()).find("out.safetensors"), std::string::npos) << e.what();
   }
   EXPECT_TRUE(d.entries().empty());
+}
+
+// --- 5. index shards in a sub-folder -----------------------------------------
+// Every tensor of the folder's shards -> its shard path, as an HF index.
+void write_index(const fs::path& root, const std::vector<std::string>& shards) {
+  nlohmann::json wm = nlohmann::json::object();
+  for (const auto& s : shards) {
+    const auto f = st::File::open(root / s);
+    for (const auto& t : f.tensors()) wm[t.name] = s;
+  }
+  std::ofstream(root / "model.safetensors.index.json") << nlohmann::json{{"weight_map", wm}}.dump(2);
+}
+
+TEST(B12xReading, IndexShardsInASubFolder) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  for (ScaleFormat f : {kNv, kMx}) {
+    SCOPED_TRACE(to_string(f));
+    TempDir d;
+    const fs::path b12x = d.path / "b12x";
+    fs::create_directories(b12x / "tensors");
+    const std::vector<std::string> shards = {"tensors/model-00001-of-00002.safetensors",
+                                             "tensors/model-00002-of-00002.safetensors"};
+    const Written w =
+        write_layer(b12x / shards[0], Layer{f, 2, f == kNv ? 384u : 640u, 64, false, false, {}}, rng);
+    {
+      st::Writer x(b12x / shards[1], 1 << 12);
+      x.add_tensor("lm_head.weight", st::Dtype::BF16, {16}, Bytes(32, 0x3C));
+      x.commit(std::nullopt);
+    }
+    write_index(b12x, shards);
+    std::ofstream(b12x / "tensors" / "NOTES.txt") << "kept";
+    std::ofstream(b12x / "config.json") << "{}";
+
+    // Files written by b12x / vLLM with the index listing tensors/...: read, verified, decompressed.
+    EXPECT_EQ(checkpoint_files(b12x).size(), 2u);
+    EXPECT_NO_THROW(verify_checkpoint(b12x));
+    EXPECT_NO_THROW(inspect_checkpoint(b12x));
+    const MoeHostWeights a = load_moe_layer(b12x, kLayer, 2);
+    decompress_checkpoint(b12x, d.path / "native");
+    const fs::path native = d.path / "native";
+    EXPECT_EQ(read_bytes(native / "tensors" / "NOTES.txt"), "kept");
+    const auto idx = nlohmann::json::parse(read_bytes(native / "model.safetensors.index.json"));
+    for (const auto& [scale, grid] : w.grids) {
+      EXPECT_EQ(idx["weight_map"][scale], shards[0]) << scale;
+      EXPECT_TRUE(read_all(native / shards[0]).at(scale) == grid) << scale;
+    }
+    // The native folder: compressed shard by shard into tensors/, restored byte for byte.
+    decompress_checkpoint(b12x, d.path / "native2");
+    compress_checkpoint(native, d.path / "csf");
+    EXPECT_TRUE(fs::exists(d.path / "csf" / shards[0]));
+    EXPECT_TRUE(is_csf_container(d.path / "csf" / shards[0]));
+    EXPECT_EQ(read_bytes(d.path / "csf" / "tensors" / "NOTES.txt"), "kept");
+    EXPECT_NO_THROW(verify_checkpoint(d.path / "csf"));
+    const MoeHostWeights b = load_moe_layer(d.path / "csf", kLayer, 2);
+    EXPECT_TRUE(a.w13_scales == b.w13_scales);
+    EXPECT_TRUE(a.w2_scales == b.w2_scales);
+    decompress_checkpoint(d.path / "csf", d.path / "back");
+    for (const std::string n : {shards[0], shards[1], std::string("model.safetensors.index.json"),
+                                std::string("tensors/NOTES.txt"), std::string("config.json")})
+      EXPECT_EQ(read_bytes(d.path / "back" / n), read_bytes(native / n)) << n;
+    // --tp of the b12x folder and of the native one: the same slices.
+    CompressOptions o;
+    o.tp = 2;
+    o.tp_rank = 1;
+    compress_checkpoint(b12x, d.path / "tp-b12x", o);
+    compress_checkpoint(native, d.path / "tp-native", o);
+    for (const auto& s : shards)
+      EXPECT_TRUE(read_all(d.path / "tp-b12x" / s) == read_all(d.path / "tp-native" / s)) << s;
+    EXPECT_NO_THROW(verify_checkpoint(d.path / "tp-b12x"));
+    const ToolRun r = csf_tool({"verify", b12x.string()}, d.path);
+    EXPECT_EQ(r.code, 0) << r.err;
+
+    // Still nothing outside the folder: a path out, or a sub-folder that links out.
+    const auto refused = [&](const std::string& needle) {
+      for (const auto& run : std::vector<std::function<void()>>{
+               [&] { verify_checkpoint(native); }, [&] { (void)checkpoint_files(native); },
+               [&] { compress_checkpoint(native, d.path / "never"); }}) {
+        try {
+          run();
+          ADD_FAILURE() << "accepted: " << needle;
+        } catch (const FormatError& e) {
+          EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+        }
+      }
+      EXPECT_FALSE(fs::exists(d.path / "never"));
+    };
+    const std::string index = read_bytes(native / "model.safetensors.index.json");
+    std::string evil = index;
+    evil.replace(evil.find(shards[1]), shards[1].size(), "tensors/../../outside.safetensors");
+    fs::copy_file(native / shards[1], d.path / "outside.safetensors");
+    write_bytes(native / "model.safetensors.index.json", evil);
+    refused("not a plain file name");
+    write_bytes(native / "model.safetensors.index.json", index);
+    fs::rename(native / "tensors", d.path / "elsewhere");
+    fs::create_directory_symlink(d.path / "elsewhere", native / "tensors");
+    refused("leaves the folder");
+    fs::remove(d.path / "outside.safetensors");
+  }
 }
 
 // --- 6. source names that list the planes -----------------------------------
