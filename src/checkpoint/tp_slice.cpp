@@ -85,9 +85,9 @@ class FileSlicer {
       std::vector<AxisRange> rr{{0, R}};
       AxisRange cr{0, cols};
       if (split == TpSplit::cols)
-        cr = tensor_parallel_axis_ranges(cols, split, tp_, rank_, 1, what + " scale columns")[0];
+        cr = even_ranges(cols, split, 1, what + " scale columns")[0];
       else
-        rr = tensor_parallel_axis_ranges(R, split, tp_, rank_, 1, what + " scale rows");
+        rr = even_ranges(R, split, 1, what + " scale rows");
       std::uint64_t r_out = 0;
       for (const auto& r : rr) r_out += r.count;
       const bool swz = c->shape.layout == ScaleLayout::swizzled_128x4;
@@ -123,13 +123,30 @@ class FileSlicer {
           "its scale, a bias or a per-expert scalar); cannot tell which axis to split for tp = {}",
           what, st::to_string(t.dtype), fmt::format("[{}]", fmt::join(t.shape, ", ")), tp_));
     }
-    const auto ranges = tensor_parallel_axis_ranges(t.shape[axis], split, tp_, rank_, granule, what);
+    const auto ranges = even_ranges(t.shape[axis], split, granule, what);
     std::uint64_t kept = 0;
     for (const auto& r : ranges) kept += r.count;
     out.shape[axis] = kept;
     out.copy = false;
     if (!shape_only) out.bytes = slice_axis(data, t.shape, st::dtype_size(t.dtype), axis, ranges);
     return out;
+  }
+
+  // This rank's pieces of an axis; only even splits. vLLM's slicer pads
+  // the last rank's planes to the common row count instead (rows of base
+  // 0x38, no records): those rows are in no checkpoint, so such a slice would
+  // no longer restore to bytes of its source, and csfmoe refuses it.
+  std::vector<AxisRange> even_ranges(std::uint64_t length, TpSplit split, std::uint64_t granule,
+                                     const std::string& what) const {
+    try {
+      return tensor_parallel_axis_ranges(length, split, tp_, rank_, granule, what);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(fmt::format(
+          "{}; csfmoe writes even tensor-parallel slices only (vLLM pads the last rank's planes with rows of "
+          "base 0x38 and no records at load time, bytes that no checkpoint holds): choose a tp that divides "
+          "it",
+          e.what()));
+    }
   }
 
   void write(const fs::path& dest) const {

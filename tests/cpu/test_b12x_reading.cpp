@@ -964,6 +964,42 @@ TEST(B12xReading, CompressSaysSoWhenItFindsNoBlockScale) {
   EXPECT_EQ(ok.err.find("no block-scale"), std::string::npos) << ok.err;
 }
 
+// --- 7. vLLM's padded TP shards: refused, naming vLLM's rule ------------------
+TEST(B12xReading, UnevenTensorParallelSplitsAreRefusedNamingVllmsRule) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  for (ScaleFormat f : {kNv, kMx}) {
+    SCOPED_TRACE(to_string(f));
+    TempDir d;
+    const fs::path b12x = d.path / "b12x.safetensors", native = d.path / "native.safetensors";
+    write_layer(b12x, Layer{f, 2, f == kNv ? 512u : 1024u, 64, false, false, {}}, rng);
+    decompress_checkpoint(b12x, native);
+    for (const fs::path& in : {b12x, native})
+      for (const unsigned tp : {3u, 6u}) {
+        SCOPED_TRACE(fmt::format("{} tp {}", in.filename().string(), tp));
+        CompressOptions o;
+        o.tp = tp;
+        o.tp_rank = tp - 1;
+        try {
+          compress_checkpoint(in, d.path / "out.safetensors", o);
+          ADD_FAILURE() << "an uneven split was written";
+        } catch (const InvalidArgument& e) {
+          const std::string m = e.what();
+          EXPECT_NE(m.find(in.string()), std::string::npos) << m;
+          EXPECT_NE(m.find("vLLM"), std::string::npos) << m;
+          EXPECT_NE(m.find("0x38"), std::string::npos) << m;
+        }
+        EXPECT_FALSE(fs::exists(d.path / "out.safetensors"));
+        const ToolRun r = csf_tool({"compress", "--tp", std::to_string(tp), "--rank", "0", in.string(),
+                                    (d.path / "cli.safetensors").string()},
+                                   d.path);
+        EXPECT_EQ(r.code, 1) << r.err;
+        EXPECT_NE(r.err.find("vLLM"), std::string::npos) << r.err;
+        EXPECT_FALSE(fs::exists(d.path / "cli.safetensors"));
+      }
+  }
+}
+
 // --- 10. schema against planes, tensors in two shards ------------------------
 TEST(B12xReading, ManifestSchemaMustMatchItsPlanes) {
   CSFMOE_SEEDED(seed);
