@@ -43,9 +43,10 @@ struct Mxfp4SlabPlanes {
 };
 
 // Slab form of b12x MXFP4 planes (validated first: FormatError naming
-// `name`). Each slab's base is the lowest b whose range [b, b + 2] holds the
-// most row bases of the slab; rows outside it are escaped. InvalidArgument
-// for NVFP4 planes or a bad shape.
+// `name`), in the encoder's form (canonical_planes: records that win over
+// their slot become codes or sit on code 0). Each slab's base is the lowest
+// b whose range [b, b + 2] holds the most row bases of the slab; rows outside
+// it are escaped. InvalidArgument for NVFP4 planes or a bad shape.
 Mxfp4SlabPlanes planes_to_mxfp4_slabs(const CsfPlanes& planes, std::string_view name);
 
 // Escape codes in `slabs` (the number of escape bytes they need). FormatError
@@ -58,8 +59,8 @@ std::uint64_t mxfp4_slab_escape_count(const PlaneShape& s, std::span<const std::
 // size, a slab base above 254, a delta-coded row whose base would be above
 // 254, an escape list shorter or longer than the escape codes, an escaped
 // base above 254 or within [slab base, slab base + 2] (it had a delta code),
-// then every check of validate_planes on the result (records sorted, inside
-// the grid, on a code-0 slot, outside their row's window).
+// then every check of validate_planes on the result (records sorted and
+// inside the grid; a record may win over its slot, as in b12x's readers).
 // InvalidArgument for a shape that is not MXFP4 or breaks check_plane_shape.
 CsfPlanes mxfp4_slabs_to_planes(const PlaneShape& s, std::span<const std::uint8_t> slabs,
                                 std::span<const std::uint8_t> escapes,
