@@ -1,7 +1,7 @@
 // What a JSON parse error says about untrusted bytes (internal): where it
 // stopped, never what it read. nlohmann's messages quote the bytes last read
 // ("last read: '...'"), and the file may be one that was refused or that
-// holds secrets (docs/security.md, "Nothing outside the folder").
+// holds secrets (docs/security.md, "What is checked").
 #pragma once
 
 #include <fmt/format.h>
