@@ -7,12 +7,15 @@
 
 #include <algorithm>
 #include <fstream>
+#include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "checkpoint/b12x_file.hpp"
 #include "checkpoint/container.hpp"
 #include "checkpoint/detect.hpp"
+#include "csfmoe/checkpoint.hpp"
 #include "csfmoe/checkpoint_reader.hpp"
 #include "csfmoe/errors.hpp"
 #include "csfmoe/parallel.hpp"
@@ -130,39 +133,48 @@ class FileSlicer {
     return out;
   }
 
-  void write(const fs::path& dest) const {
+  // The slice's metadata and tensors (shapes and offsets), without reading data.
+  void plan() {
     // The original's metadata (a container's logical header holds it).
-    st::Metadata md = f_.header().metadata.value_or(st::Metadata{});
-    if (md.count(kTpKey))
+    md_ = f_.header().metadata.value_or(st::Metadata{});
+    if (md_.count(kTpKey))
       throw InvalidArgument(fmt::format("{} is already a tensor-parallel slice (tp = {}, rank = {})", label_,
-                                        md[kTpKey], md.count(kTpRankKey) ? md[kTpRankKey] : "?"));
-    md[kTpKey] = std::to_string(tp_);
-    md[kTpRankKey] = std::to_string(rank_);
+                                        md_[kTpKey], md_.count(kTpRankKey) ? md_[kTpRankKey] : "?"));
+    md_[kTpKey] = std::to_string(tp_);
+    md_[kTpRankKey] = std::to_string(rank_);
     // Data order of the source, so that the slice reads like the original.
-    std::vector<const st::TensorInfo*> order;
-    for (const auto& t : f_.tensors()) order.push_back(&t);
-    std::stable_sort(order.begin(), order.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
-    std::vector<st::TensorInfo> planned;
-    std::uint64_t off = 0;
-    for (const auto* t : order) {
+    order_.clear();
+    for (const auto& t : f_.tensors()) order_.push_back(&t);
+    std::stable_sort(order_.begin(), order_.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
+    planned_.clear();
+    sliced_bytes_ = source_bytes_ = 0;
+    for (const auto* t : order_) {
       st::TensorInfo p = *t;
       p.shape = slice(*t, true).shape;
       std::uint64_t n = st::dtype_size(t->dtype);
       for (auto d : p.shape) n *= d;
-      p.begin = off;
-      off += n;
-      p.end = off;
-      planned.push_back(std::move(p));
+      p.begin = sliced_bytes_;
+      sliced_bytes_ += n;
+      p.end = sliced_bytes_;
+      source_bytes_ += t->nbytes();
+      planned_.push_back(std::move(p));
     }
-    st::Writer w(dest, st::Writer::header_json_size(planned, md) + 64);
-    for (const auto* t : order) {
+  }
+  std::uint64_t source_bytes() const { return source_bytes_; }  // logical bytes read
+  std::uint64_t sliced_bytes() const { return sliced_bytes_; }  // data bytes written
+
+  // After plan(); `tick` gets each source tensor's bytes once it is written.
+  void write(const fs::path& dest, const std::function<void(std::uint64_t, const std::string&)>& tick) const {
+    st::Writer w(dest, st::Writer::header_json_size(planned_, md_) + 64);
+    for (const auto* t : order_) {
       Sliced s = slice(*t, false);
       if (s.copy)
         w.add_tensor(t->name, t->dtype, t->shape, f_.read(t->name));
       else
         w.add_tensor(t->name, t->dtype, std::move(s.shape), s.bytes);
+      if (tick) tick(t->nbytes(), t->name);
     }
-    w.commit(md);
+    w.commit(md_);
   }
 
  private:
@@ -172,18 +184,60 @@ class FileSlicer {
   Detection det_;
   std::map<std::string, std::vector<CsfPlanes>>* planes_;  // optional: sliced planes of CSF tensors
   std::map<std::string, const ScaleCandidate*> by_companion_;
+  st::Metadata md_;
+  std::vector<const st::TensorInfo*> order_;
+  std::vector<st::TensorInfo> planned_;
+  std::uint64_t source_bytes_ = 0, sliced_bytes_ = 0;
 };
+
+// The shard index of a slice: the source's (a container folder's rewritten
+// index gives back the original), with metadata.total_size, where present,
+// set to the slice's data bytes.
+std::string sliced_index(const fs::path& index_file, std::uint64_t total_size) {
+  using ojson = nlohmann::ordered_json;
+  const std::string raw = st::read_shard_index(index_file).raw;
+  const std::string orig = original_index(raw, index_file.string()).value_or(raw);
+  ojson j;
+  try {
+    j = ojson::parse(orig);
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(fmt::format("{}: not valid JSON: {}", index_file.string(), e.what()));
+  }
+  const auto m = j.find("metadata");
+  if (m == j.end() || !m->is_object()) return orig;
+  const auto ts = m->find("total_size");
+  if (ts == m->end() || !ts->is_number()) return orig;
+  *ts = total_size;
+  return j.dump(2) + "\n";
+}
 
 }  // namespace
 
-void slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsigned tp, unsigned rank,
-                         std::optional<ScaleLayout> layout, SlicedPlanes* planes) {
-  if (tp == 0) throw InvalidArgument("--tp must be at least 1");
-  if (rank >= tp) throw InvalidArgument(fmt::format("--rank {} is not below --tp {}", rank, tp));
+TpSliceBytes slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsigned tp, unsigned rank,
+                                 std::optional<ScaleLayout> layout, SlicedPlanes* planes,
+                                 const ProgressFn& progress) {
+  if (tp == 0) throw InvalidArgument("tp must be at least 1");
+  if (rank >= tp) throw InvalidArgument(fmt::format("rank {} is not below tp {}", rank, tp));
+  TpSliceBytes bytes;
+  // Progress counts the source bytes read, out of all the job's bytes
+  // (source + slice: the compressor continues from here).
+  const auto ticker = [&](const std::string& file) {
+    return [&, file](std::uint64_t n, const std::string& tensor) {
+      bytes.done += n;
+      if (progress)
+        progress(Progress{bytes.done, bytes.source + bytes.sliced,
+                          fmt::format("{}{}{} (tp slice)", file, tensor.empty() ? "" : ":", tensor)});
+    };
+  };
   if (!fs::is_directory(in)) {
     const CheckpointFile f = CheckpointFile::open(in);
-    FileSlicer(f, tp, rank, layout, planes ? &(*planes)[""] : nullptr).write(out);
-    return;
+    FileSlicer s(f, tp, rank, layout, planes ? &(*planes)[""] : nullptr);
+    s.plan();
+    bytes.source = s.source_bytes();
+    bytes.sliced = s.sliced_bytes();
+    ticker(in.filename().string())(0, "");  // the bar starts before the first tensor is read
+    s.write(out, ticker(in.filename().string()));
+    return bytes;
   }
   if (read_manifest_export(in))
     throw Unsupported(
@@ -197,28 +251,44 @@ void slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsigned tp, u
   std::vector<std::string> names;
   for (const auto& de : fs::directory_iterator(in)) names.push_back(de.path().filename().string());
   std::sort(names.begin(), names.end());
+  // Every shard is opened and planned first: the job's size is known from the start.
+  std::vector<std::pair<std::string, CheckpointFile>> files;
   for (const auto& n : names) {
     const fs::path p = in / n;
     if (fs::is_symlink(fs::symlink_status(p, ec)))
       throw Unsupported(
           fmt::format("{}: '{}' is a symlink; tensor-parallel slicing needs plain files", in.string(), n));
-    if (n.ends_with(".safetensors")) {
-      const CheckpointFile f = CheckpointFile::open(st::resolve_inside(in, n, in.string()));
-      FileSlicer(f, tp, rank, layout, planes ? &(*planes)[n] : nullptr).write(out / n);
-    } else if (n == st::kIndexFileName) {
-      // The index names tensors, not shapes: it stays valid for the slice
-      // (a container folder's rewritten index gives back the original).
-      const std::string raw = st::read_shard_index(p).raw;
+    if (n.ends_with(".safetensors"))
+      files.emplace_back(n, CheckpointFile::open(st::resolve_inside(in, n, in.string())));
+  }
+  std::vector<FileSlicer> slicers;
+  slicers.reserve(files.size());
+  for (const auto& [n, f] : files) {
+    slicers.emplace_back(f, tp, rank, layout, planes ? &(*planes)[n] : nullptr);
+    slicers.back().plan();
+    bytes.source += slicers.back().source_bytes();
+    bytes.sliced += slicers.back().sliced_bytes();
+  }
+  if (!files.empty()) ticker(files.front().first)(0, "");  // the bar starts before the first tensor is read
+  for (std::size_t i = 0; i < files.size(); ++i)
+    slicers[i].write(out / files[i].first, ticker(files[i].first));
+  for (const auto& n : names) {
+    const fs::path p = in / n;
+    if (n.ends_with(".safetensors")) continue;
+    if (n == st::kIndexFileName) {
+      // The index names tensors, not shapes: it stays valid for the slice,
+      // but its total_size is the slice's.
+      const std::string text = sliced_index(p, bytes.sliced);
       std::ofstream o(out / n, std::ios::binary);
-      o << original_index(raw, p.string()).value_or(raw);
+      o << text;
       if (!o.flush()) throw IoError(fmt::format("cannot write {}", (out / n).string()));
     } else {
-      // The index names tensors, not shapes: it stays valid for the slice.
       fs::copy(p, out / n, fs::copy_options::recursive | fs::copy_options::copy_symlinks, ec);
       if (ec)
         throw IoError(fmt::format("cannot copy {} to {}: {}", p.string(), (out / n).string(), ec.message()));
     }
   }
+  return bytes;
 }
 
 }  // namespace csfmoe::detail

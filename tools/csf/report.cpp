@@ -131,6 +131,7 @@ CheckpointReport merge_reports(const std::vector<CheckpointReport>& reports,
     m.scale_stored_bytes += r.scale_stored_bytes;
     m.file_source_bytes += r.file_source_bytes;
     m.file_stored_bytes += r.file_stored_bytes;
+    m.tp_slices.insert(m.tp_slices.end(), r.tp_slices.begin(), r.tp_slices.end());
   }
   return m;
 }
@@ -216,6 +217,15 @@ void print_report_table(std::FILE* out, const CheckpointReport& r) {
              "exceptions; csf --help explains every column\n");
 }
 
+std::string tp_slice_text(const TpSliceInfo& t) {
+  return fmt::format("tensor-parallel slice: rank {} of tp {} (MoE expert projections cut along N)", t.rank,
+                     t.tp);
+}
+
+void print_tp_slices(std::FILE* out, const CheckpointReport& r) {
+  for (const auto& t : r.tp_slices) fmt::print(out, "{}: {}\n", t.file, tp_slice_text(t));
+}
+
 void print_kept_native(std::FILE* out, const CheckpointReport& r) {
   for (const auto& t : r.tensors)
     if (t.action == TensorAction::native_kept)
@@ -274,7 +284,13 @@ nlohmann::json report_to_json(const CheckpointReport& r) {
   totals["csf_tensors"] = counts[static_cast<int>(TensorAction::csf)];
   totals["native_kept_tensors"] = counts[static_cast<int>(TensorAction::native_kept)];
   totals["passthrough_tensors"] = counts[static_cast<int>(TensorAction::passthrough)];
-  return {{"path", r.path.string()}, {"tensors", tensors}, {"layers", layers}, {"totals", totals}};
+  nlohmann::json slices = nlohmann::json::array();
+  for (const auto& t : r.tp_slices) slices.push_back({{"file", t.file}, {"tp", t.tp}, {"rank", t.rank}});
+  return {{"path", r.path.string()},
+          {"tensors", tensors},
+          {"layers", layers},
+          {"totals", totals},
+          {"tp_slices", slices}};
 }
 
 namespace {
