@@ -151,9 +151,15 @@ namespace {
 
 nlohmann::json read_json(const std::filesystem::path& p) {
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(p, ec))
+  const auto st = std::filesystem::status(p, ec);
+  if (!std::filesystem::exists(st))
     throw FormatError(
         fmt::format("{}: missing (b12x's export needs manifest.json and build-contract.json)", p.string()));
+  if (!std::filesystem::is_regular_file(st))
+    throw FormatError(
+        fmt::format("{}: not a regular file (b12x's export needs manifest.json and "
+                    "build-contract.json as plain JSON files)",
+                    p.string()));
   std::string text;
   {
     std::FILE* f = std::fopen(p.c_str(), "rb");

@@ -1039,6 +1039,48 @@ TEST_F(CliTest, MessagesForEdgeArguments) {
     EXPECT_NE(r.out.find(word), std::string::npos) << word;
 }
 
+// What a new user meets: each refusal says why and what to do instead, and
+// the help says what each command takes.
+TEST_F(CliTest, MessagesSayWhatToDoNext) {
+  CSFMOE_SEEDED(seed);
+  const auto src = write("nv.safetensors", file_bytes(make_nvfp4_sample(seed).tensors));
+  const std::string out = (dir_ / "out" / "x.safetensors").string();
+  // --no-mxfp4-slab is the csfmoe schema's: with --schema b12x a command-line error.
+  auto r = csf({"compress", src.string(), out, "--schema", "b12x", "--no-mxfp4-slab"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_EQ(r.err.rfind("csf: usage error: ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find("--schema b12x always writes b12x's planes"), std::string::npos) << r.err;
+  EXPECT_TRUE(out_entries().empty());
+  // Stacked scales in the b12x schema: refused, naming the tensor and the schema that takes them.
+  r = csf({"compress", src.string(), out, "--schema", "b12x"});
+  expect_clean_failure(r, {"model.layers.0.mlp.experts.w13.weight_scale", "stacked", "csfmoe schema"});
+  // A container compressed again: what to do with it instead.
+  ASSERT_EQ(csf({"compress", "-q", src.string(), (dir_ / "c.safetensors").string()}).code, 0);
+  r = csf({"compress", (dir_ / "c.safetensors").string(), out});
+  expect_clean_failure(r, {"c.safetensors is already a CSF container", "decompress restores the original"});
+  // decompress --help names every input it restores.
+  r = csf({"decompress", "--help"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  for (const char* word : {"b12x / vLLM", "manifest export", "tensor-parallel", "--tp N --rank R"})
+    EXPECT_NE(r.out.find(word), std::string::npos) << word << "\n" << r.out;
+  // synth --experts: the limit per model, from the model table.
+  r = csf({"synth", "--help"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  for (const csfmoe::MoeGeometry* g : csfmoe::moe_geometries())
+    EXPECT_NE(r.out.find(std::string(g->name) + " " + std::to_string(g->experts)), std::string::npos)
+        << g->name << "\n"
+        << r.out;
+  // One layer of one expert is singular; two of each plural.
+  r = csf({"synth", (dir_ / "s1.safetensors").string(), "--model", "qwen3-30b-a3b", "--format", "nvfp4",
+           "--experts", "1", "--layers", "1"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find(" 1 layer x 1 expert ("), std::string::npos) << r.out;
+  r = csf({"synth", (dir_ / "s2.safetensors").string(), "--model", "qwen3-30b-a3b", "--format", "mxfp4",
+           "--experts", "2", "--layers", "2"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find(" 2 layers x 2 experts ("), std::string::npos) << r.out;
+}
+
 TEST_F(CliTest, QuantizeSaysWhyAMatrixStaysAsItIs) {
   CSFMOE_SEEDED(seed);
   std::mt19937_64 rng(seed);
