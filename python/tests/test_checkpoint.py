@@ -568,3 +568,43 @@ def test_load_file_decode_layout_that_a_native_scale_cannot_take_raises(gen, tmp
     assert got[f"{expert}.weight_scale"].view(torch.uint8).equal(grid.reshape(1, *grid.shape))
     with pytest.raises(csfmoe.InvalidArgument, match="layout"):
         ck.load_file(plain, decode=True, layout="column_major")
+
+
+def test_compress_refusals_speak_of_arguments_and_say_what_to_do(gen, tmp_path):
+    """compress_checkpoint's refusals name Python arguments, not CLI flags,
+    say what to do instead, and write nothing."""
+    _, t = modelopt_layer(gen)
+    src = tmp_path / "layer.safetensors"
+    write_safetensors(src, t)
+    ck = csfmoe.checkpoint
+    out = tmp_path / "out.safetensors"
+
+    def refused(call, *words):
+        with pytest.raises(csfmoe.InvalidArgument) as e:
+            call()
+        msg = str(e.value)
+        for w in words:
+            assert w in msg, msg
+        assert "--" not in msg, msg
+        assert not out.exists()
+
+    refused(lambda: ck.compress_checkpoint(src, out, schema="b12x", mxfp4_slab=False),
+            "mxfp4_slab=False", "schema='b12x'")
+    # A container, and a file as b12x / vLLM write it (its planes, no csfmoe metadata).
+    ck.compress_checkpoint(src, tmp_path / "c.safetensors")
+    refused(lambda: ck.compress_checkpoint(tmp_path / "c.safetensors", out),
+            "already a CSF container", "decompress restores the original")
+    ck.compress_checkpoint(src, tmp_path / "b12x-container.safetensors", schema="b12x")
+    raw = read_raw(tmp_path / "b12x-container.safetensors")  # without its __metadata__
+    assert any(n.endswith(".nvfp4_csf_fixed") for n in raw)
+    b12x_file = tmp_path / "b12x.safetensors"
+    header, blobs, off = {}, [], 0
+    for name, (dtype, shape, b) in raw.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    b12x_file.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+    assert not ck.is_csf_container(b12x_file)
+    refused(lambda: ck.compress_checkpoint(b12x_file, out), "written by b12x / vLLM", "decompress it first")
