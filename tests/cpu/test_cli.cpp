@@ -855,15 +855,33 @@ TEST_F(CliTest, InspectDeviceReportsResidentBytesPerLayerAndModel) {
   EXPECT_EQ(d["scales"]["native_bytes"].get<std::uint64_t>(), native);
   EXPECT_EQ(d["scales"]["csf_bytes"].get<std::uint64_t>(), csf_bytes);
   EXPECT_EQ(d["expand_scratch_bytes"].get<std::uint64_t>(), largest);
+  // The totals count the scratch CSF scales need: saved is what is left after it.
+  for (const char* total : {"scales", "model"}) {
+    const auto& t = d[total];
+    const auto n = t["native_bytes"].get<std::int64_t>(), c = t["csf_bytes"].get<std::int64_t>(),
+               b = t["b12x_bytes"].get<std::int64_t>(), s = std::int64_t(largest);
+    EXPECT_EQ(t["expand_scratch_bytes"].get<std::int64_t>(), s) << total;
+    EXPECT_EQ(t["csf_with_scratch_bytes"].get<std::int64_t>(), c + s) << total;
+    EXPECT_EQ(t["b12x_with_scratch_bytes"].get<std::int64_t>(), b + s) << total;
+    EXPECT_EQ(t["net_saved_bytes"].get<std::int64_t>(), n - c - s) << total;
+    EXPECT_EQ(t["saved_bytes"].get<std::int64_t>(), std::max<std::int64_t>(0, n - c - s)) << total;
+  }
+  // With two layers the scratch (one layer's native scales) outweighs what CSF saves on the scales.
+  EXPECT_LT(d["scales"]["net_saved_bytes"].get<std::int64_t>(), 0) << d.dump();
+  EXPECT_EQ(d["scales"]["b12x_bytes"].get<std::uint64_t>() - d["scales"]["csf_bytes"].get<std::uint64_t>(),
+            d["model"]["b12x_bytes"].get<std::uint64_t>() - d["model"]["csf_bytes"].get<std::uint64_t>());
   // The model total counts every tensor; only the scales shrink.
   EXPECT_EQ(d["model"]["native_bytes"], j["totals"]["file_source_bytes"]);
-  EXPECT_EQ(d["model"]["saved_bytes"], d["scales"]["saved_bytes"]);
-  // The table form names the layers and the scratch.
+  EXPECT_EQ(d["model"]["net_saved_bytes"], d["scales"]["net_saved_bytes"]);
+  // The table form names the layers and the scratch, and says when CSF plus scratch exceed native.
   const auto table = csf({"inspect", out.string(), "--device"});
   ASSERT_EQ(table.code, 0) << table.err;
   EXPECT_NE(table.out.find("resident device memory"), std::string::npos) << table.out;
   EXPECT_NE(table.out.find("model.layers.1.mlp.experts"), std::string::npos) << table.out;
   EXPECT_NE(table.out.find("expand scratch"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("all block scales, with the scratch"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("CSF scales plus the expand scratch exceed the native scales by"), std::string::npos)
+      << table.out;
 }
 
 // --- edges a new user meets (issue #24) -------------------------------------
