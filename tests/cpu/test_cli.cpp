@@ -880,7 +880,8 @@ TEST_F(CliTest, InspectDeviceReportsResidentBytesPerLayerAndModel) {
   EXPECT_NE(table.out.find("model.layers.1.mlp.experts"), std::string::npos) << table.out;
   EXPECT_NE(table.out.find("expand scratch"), std::string::npos) << table.out;
   EXPECT_NE(table.out.find("all block scales, with the scratch"), std::string::npos) << table.out;
-  EXPECT_NE(table.out.find("CSF scales plus the expand scratch exceed the native scales by"), std::string::npos)
+  EXPECT_NE(table.out.find("CSF scales plus the expand scratch exceed the native scales by"),
+            std::string::npos)
       << table.out;
 }
 
