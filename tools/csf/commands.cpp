@@ -87,7 +87,7 @@ int run_compress(const CompressArgs& a) {
   if (!a.quiet) {
     print_kept_native(stdout, report);
     print_report_table(stdout, report);
-    if (a.tp > 1) fmt::print("tensor-parallel slice: tp {} rank {}\n", a.tp, a.tp_rank);
+    if (a.tp > 1) fmt::print("{}\n", tp_slice_text(TpSliceInfo{a.out.filename().string(), a.tp, a.tp_rank}));
     const std::uint64_t before = disk_bytes(a.in), after = disk_bytes(a.out);
     fmt::print("wrote {}: {} bytes ({}) from {} bytes ({}) on disk, {:.2f}%\n", a.out.string(), after,
                human_bytes(after), before, human_bytes(before),
