@@ -90,9 +90,17 @@ struct TensorReport {
   std::uint64_t b12x_resident_bytes = 0;
 };
 
+// A file that holds one rank's tensor-parallel slice (compress with tp > 1;
+// its csfmoe.tp / csfmoe.tp_rank metadata).
+struct TpSliceInfo {
+  std::string file;  // file name inside the checkpoint
+  unsigned tp = 1, rank = 0;
+};
+
 struct CheckpointReport {
   std::filesystem::path path;
   std::vector<TensorReport> tensors;
+  std::vector<TpSliceInfo> tp_slices;  // inspect, verify: the files that hold a TP slice
   // Totals over block-scale tensors only.
   std::uint64_t scale_source_bytes = 0;
   std::uint64_t scale_stored_bytes = 0;  // as stored (CSF or native kept)

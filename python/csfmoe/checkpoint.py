@@ -59,8 +59,9 @@ def compress_checkpoint(src, dst, layout: str = "", threads: int = 0, schema: st
     tensor-parallel slice (src may then be compressed already). mxfp4_slab
     False keeps MXFP4 scales as b12x's planes where the slab form is smaller.
     Raises FileMissing (a FileNotFoundError and IoError) when src does not
-    exist, InvalidArgument for tp > 1 without rank, rank without tp > 1, or a
-    rank outside 0..tp-1."""
+    exist, InvalidArgument for tp > 1 without rank, rank without tp > 1, a
+    rank outside 0..tp-1, or schema "b12x" with mxfp4_slab False (which only
+    the csfmoe schema reads)."""
     src, dst = os.fspath(src), os.fspath(dst)
     if tp > 1 and rank is None:
         raise InvalidArgument(f"compress_checkpoint: tp={tp} needs rank= (which slice to store, 0..{tp - 1})")
@@ -68,6 +69,9 @@ def compress_checkpoint(src, dst, layout: str = "", threads: int = 0, schema: st
         raise InvalidArgument(f"compress_checkpoint: rank={rank} needs tp= (the tensor-parallel degree, at least 2)")
     if rank is not None and not 0 <= rank < tp:
         raise InvalidArgument(f"compress_checkpoint: rank={rank} is outside tp={tp}'s ranks 0..{tp - 1}")
+    if schema == "b12x" and not mxfp4_slab:
+        raise InvalidArgument("compress_checkpoint: mxfp4_slab=False chooses how schema='csfmoe' stores MXFP4 "
+                              "scales; schema='b12x' always writes b12x's planes, so drop one of the two")
     _require_exists(src, "compress_checkpoint: src")
     return tuple(_C.compress_checkpoint(src, dst, layout, threads, schema, tp, 0 if rank is None else rank,
                                         mxfp4_slab))
@@ -98,6 +102,10 @@ def load_file(path, device: Union[str, torch.device] = "cpu", decode: bool = Fal
     its native tensor (dtype and shape of the original; `layout` picks the
     decoded layout, default the source layout). `names` limits what is read;
     a name the file lacks raises InvalidArgument, a missing path FileMissing.
+    With decode=True and a `layout` other than the one a block-scale tensor
+    is stored native in (no CSF form to decode into another layout), the
+    call raises InvalidArgument naming the tensor and both layouts rather
+    than return that tensor in its stored layout.
 
     The C++ reader does the reading and the checks (csfmoe/checkpoint_reader.hpp).
     In a container every tensor returned is first checked against the CRC32
@@ -106,16 +114,36 @@ def load_file(path, device: Union[str, torch.device] = "cpu", decode: bool = Fal
     threads). A mismatch raises CorruptData, malformed parts FormatError, each
     naming the file and the tensor. A plain safetensors file has no CRCs: it
     is only checked structurally."""
-    device = torch.device(device)
     path = os.fspath(path)
+    if layout is not None:
+        ops._check_choice("layout", layout, ops.LAYOUTS)
     _require_exists(path, "load_file")
     f = _C.SafetensorsFile(path)
-    entries = f.csf_entries() or {}
-    wanted = None if names is None else set(names)
-    if wanted is not None:
-        missing = sorted(wanted - {info["name"] for info in f.tensors()})
+    if names is not None:
+        missing = sorted(set(names) - {info["name"] for info in f.tensors()})
         if missing:
             raise InvalidArgument(f"load_file: {path} has no tensor named {', '.join(repr(m) for m in missing)}")
+    return _load_open(f, path, device, decode, layout, names, threads)
+
+
+def _load_open(f, path: str, device, decode: bool, layout: Optional[str], names, threads: int) -> Dict[str, Loaded]:
+    """load_file of an open file: what it holds of `names` (all if None)."""
+    device = torch.device(device)
+    entries = f.csf_entries() or {}
+    wanted = None if names is None else set(names)
+    if decode and layout is not None:
+        # Only a CSF tensor can be decoded into another layout; a scale tensor
+        # stored native would come back in its stored layout, unasked.
+        stuck = sorted((n, l) for n, l in f.scale_tensors().items()
+                       if n not in entries and l != layout and (wanted is None or n in wanted))
+        if stuck:
+            n, l = stuck[0]
+            more = f" (and {len(stuck) - 1} more)" if len(stuck) > 1 else ""
+            raise InvalidArgument(
+                f"load_file: {path}: tensor '{n}'{more} is a block-scale tensor stored native in {l} "
+                f"(the file's csfmoe.scale_layout, else row_major), not CSF, so decode=True cannot give it "
+                f"in layout={layout!r}; load it without layout= (it comes back {l}) and convert it yourself, "
+                f"or pass names= without it")
     out: Dict[str, Loaded] = {}
     for info in f.tensors():
         name = info["name"]
@@ -183,11 +211,21 @@ def load_checkpoint(path, device: Union[str, torch.device] = "cpu", decode: bool
     that model.safetensors.index.json names, or else every *.safetensors
     file in the folder. A tensor name found in two shards is a FormatError."""
     path = os.fspath(path)
+    if layout is not None:
+        ops._check_choice("layout", layout, ops.LAYOUTS)
+    _require_exists(path, "load_checkpoint")
+    shards = [(os.fspath(p), _C.SafetensorsFile(os.fspath(p))) for p in _C.checkpoint_files(path)]
+    if names is not None:
+        # Each shard holds some of `names`; only a name in none of them is missing.
+        held = {info["name"] for _, f in shards for info in f.tensors()}
+        missing = sorted(set(names) - held)
+        if missing:
+            raise InvalidArgument(f"load_checkpoint: {path} has no tensor named "
+                                  f"{', '.join(repr(m) for m in missing)}")
     out: Dict[str, Loaded] = {}
     where: Dict[str, str] = {}
-    for shard in _C.checkpoint_files(path):
-        shard = os.fspath(shard)
-        for name, t in load_file(shard, device, decode, layout, names, threads).items():
+    for shard, f in shards:
+        for name, t in _load_open(f, shard, device, decode, layout, names, threads).items():
             if name in where:
                 raise FormatError(f"{shard}: tensor '{name}' is also in {where[name]}")
             where[name] = shard

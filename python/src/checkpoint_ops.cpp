@@ -14,6 +14,7 @@
 
 #include <memory>
 
+#include "checkpoint/detect.hpp"
 #include "common.hpp"
 #include "csfmoe/checkpoint.hpp"
 #include "csfmoe/checkpoint_reader.hpp"
@@ -121,6 +122,18 @@ struct OpenFile {
       d["parts"] = nb::tuple(nb::cast(e.parts));
       out[nb::str(e.name.c_str(), e.name.size())] = d;
     }
+    return out;
+  }
+
+  // The block-scale tensors among the logical tensors -> the layout they are
+  // stored in (the file's csfmoe.scale_layout tag, else row_major).
+  nb::dict scale_tensors() const {
+    const st::Header& h = file->header();
+    const std::string label = file->path().string();
+    const auto det = detail::detect_scales(h, detail::source_layout(h, std::nullopt, label), label);
+    nb::dict out;
+    for (const auto& c : det.scales)
+      out[nb::str(c.name.c_str(), c.name.size())] = std::string(to_string(c.shape.layout));
     return out;
   }
 
@@ -235,7 +248,8 @@ void bind_checkpoint(nb::module_& m) {
       .def("read", &OpenFile::read, nb::arg("name"), nb::arg("threads") = 0)
       .def("metadata", &OpenFile::metadata)
       .def("csf_entries", &OpenFile::csf_entries)
-      .def("native_kept", &OpenFile::native_kept);
+      .def("native_kept", &OpenFile::native_kept)
+      .def("scale_tensors", &OpenFile::scale_tensors);
 
   m.def("checkpoint_files", &checkpoint_files, nb::arg("checkpoint"));
   m.def("resolve_moe_layer", &resolve_layer, nb::arg("tensors"), nb::arg("layer"), nb::arg("topk"),

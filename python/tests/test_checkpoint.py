@@ -16,8 +16,8 @@ import csfmoe
 from conftest import adversarial_scales, realistic_scales
 
 
-def write_safetensors(path, tensors):
-    header, blobs, off = {}, [], 0
+def write_safetensors(path, tensors, metadata=None):
+    header, blobs, off = ({"__metadata__": metadata} if metadata else {}), [], 0
     names = {torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3"}
     for name, t in tensors.items():
         b = t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
@@ -497,3 +497,114 @@ def test_python_mirrors_the_cli_on_tp_rank_missing_files_and_names(gen, tmp_path
     # tp=2 with a rank still works.
     ck.compress_checkpoint(src, tmp_path / "r1.safetensors", tp=2, rank=1)
     assert ck.is_csf_container(tmp_path / "r1.safetensors")
+
+
+def test_load_checkpoint_names_span_the_shards_of_a_folder(gen, tmp_path):
+    """names= over a sharded folder: each shard gives what it holds of them;
+    only a name in no shard is an error (plain and compressed folders)."""
+    _, t = modelopt_layer(gen)
+    names = sorted(t)
+    cut = 1 + int(torch.randint(0, len(names) - 1, (1,), generator=gen))
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    shards = {"model-00001-of-00002.safetensors": names[:cut], "model-00002-of-00002.safetensors": names[cut:]}
+    for shard, ns in shards.items():
+        write_safetensors(folder / shard, {n: t[n] for n in ns})
+    index = {"metadata": {"total_size": 0}, "weight_map": {n: s for s, ns in shards.items() for n in ns}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    ck = csfmoe.checkpoint
+    ck.compress_checkpoint(folder, tmp_path / "csf")
+    # One name from each shard, picked at random.
+    pick = [names[int(torch.randint(0, cut, (1,), generator=gen))],
+            names[cut + int(torch.randint(0, len(names) - cut, (1,), generator=gen))]]
+    for src in (folder, tmp_path / "csf"):
+        got = ck.load_checkpoint(src, names=pick, decode=True)
+        assert set(got) == set(pick), src
+        for n in pick:
+            assert got[n].view(torch.uint8).equal(t[n].view(torch.uint8)), n
+        with pytest.raises(csfmoe.InvalidArgument) as e:
+            ck.load_checkpoint(src, names=pick + ["model.layers.0.mlp.experts.9.typo"])
+        assert "'model.layers.0.mlp.experts.9.typo'" in str(e.value) and str(src) in str(e.value)
+        assert repr(pick[0]) not in str(e.value)  # only the missing name is named
+    with pytest.raises(FileNotFoundError):
+        ck.load_checkpoint(tmp_path / "nowhere")
+
+
+def test_load_file_decode_layout_that_a_native_scale_cannot_take_raises(gen, tmp_path):
+    """decode=True with a layout other than the one a block-scale tensor is
+    stored native in: an error naming the tensor and both layouts, not the
+    stored bytes returned as if converted. CSF tensors are converted."""
+    rows, k = 128, 256
+    expert = "model.layers.0.mlp.experts.0.gate_proj"
+    grid = realistic_scales(gen, (rows, k // 16))
+    noise = torch.randint(0, 256, (rows, k // 16), generator=gen, dtype=torch.uint8)  # CSF cannot pay
+    swz = in_layout(grid, "nvfp4", "swizzled_128x4")
+    assert swz.shape == grid.shape and not torch.equal(swz, grid)
+    t = {f"{expert}.weight": torch.randint(0, 256, (rows, k // 2), generator=gen, dtype=torch.uint8),
+         f"{expert}.weight_scale": swz.view(torch.float8_e4m3fn),
+         "lm_head.weight": torch.randint(0, 256, (rows, k // 2), generator=gen, dtype=torch.uint8),
+         "lm_head.weight_scale": noise.view(torch.float8_e4m3fn)}
+    plain = tmp_path / "swizzled.safetensors"
+    write_safetensors(plain, t, {"csfmoe.scale_layout": "swizzled_128x4"})
+    ck = csfmoe.checkpoint
+    ck.compress_checkpoint(plain, tmp_path / "c.safetensors")
+    entries = csfmoe._csfmoe.SafetensorsFile(str(tmp_path / "c.safetensors")).csf_entries()
+    assert f"{expert}.weight_scale" in entries and "lm_head.weight_scale" not in entries
+    for path in (plain, tmp_path / "c.safetensors"):
+        with pytest.raises(csfmoe.InvalidArgument) as e:
+            ck.load_file(path, decode=True, layout="row_major")
+        msg = str(e.value)
+        assert "'lm_head.weight_scale'" in msg and "swizzled_128x4" in msg and "layout='row_major'" in msg, msg
+        # The stored layout, or no layout: the stored bytes.
+        for kw in ({}, {"layout": "swizzled_128x4"}):
+            got = ck.load_file(path, decode=True, **kw)
+            assert got["lm_head.weight_scale"].view(torch.uint8).equal(noise)
+            assert got[f"{expert}.weight_scale"].view(torch.uint8).equal(swz)
+    # Only the plain file's scale is stuck; the container's CSF tensor converts.
+    with pytest.raises(csfmoe.InvalidArgument, match=f"'{expert}.weight_scale'"):
+        ck.load_file(plain, decode=True, layout="row_major", names=[f"{expert}.weight_scale"])
+    got = ck.load_file(tmp_path / "c.safetensors", decode=True, layout="row_major", names=[f"{expert}.weight_scale"])
+    # A layout other than the source's decodes to [E, R, C] of that layout (CsfScales.native_shape).
+    assert got[f"{expert}.weight_scale"].view(torch.uint8).equal(grid.reshape(1, *grid.shape))
+    with pytest.raises(csfmoe.InvalidArgument, match="layout"):
+        ck.load_file(plain, decode=True, layout="column_major")
+
+
+def test_compress_refusals_speak_of_arguments_and_say_what_to_do(gen, tmp_path):
+    """compress_checkpoint's refusals name Python arguments, not CLI flags,
+    say what to do instead, and write nothing."""
+    _, t = modelopt_layer(gen)
+    src = tmp_path / "layer.safetensors"
+    write_safetensors(src, t)
+    ck = csfmoe.checkpoint
+    out = tmp_path / "out.safetensors"
+
+    def refused(call, *words):
+        with pytest.raises(csfmoe.InvalidArgument) as e:
+            call()
+        msg = str(e.value)
+        for w in words:
+            assert w in msg, msg
+        assert "--" not in msg, msg
+        assert not out.exists()
+
+    refused(lambda: ck.compress_checkpoint(src, out, schema="b12x", mxfp4_slab=False),
+            "mxfp4_slab=False", "schema='b12x'")
+    # A container, and a file as b12x / vLLM write it (its planes, no csfmoe metadata).
+    ck.compress_checkpoint(src, tmp_path / "c.safetensors")
+    refused(lambda: ck.compress_checkpoint(tmp_path / "c.safetensors", out),
+            "already a CSF container", "decompress restores the original")
+    ck.compress_checkpoint(src, tmp_path / "b12x-container.safetensors", schema="b12x")
+    raw = read_raw(tmp_path / "b12x-container.safetensors")  # without its __metadata__
+    assert any(n.endswith(".nvfp4_csf_fixed") for n in raw)
+    b12x_file = tmp_path / "b12x.safetensors"
+    header, blobs, off = {}, [], 0
+    for name, (dtype, shape, b) in raw.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    b12x_file.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+    assert not ck.is_csf_container(b12x_file)
+    refused(lambda: ck.compress_checkpoint(b12x_file, out), "written by b12x / vLLM", "decompress it first")

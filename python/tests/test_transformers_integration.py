@@ -355,7 +355,8 @@ def test_fp4_tensors_are_checked(seed):
     with pytest.raises(csfmoe.InvalidArgument, match="is nvfp4, the patch asks for mxfp4"):
         integ.patch_model(model, format="mxfp4", quantized=layers)
     bad = dict(layers["model.layers.1.mlp"], w2=layers["model.layers.1.mlp"]["w2"][:, :, :-1].contiguous())
-    with pytest.raises(csfmoe.InvalidArgument, match=r"\['w2'\]: expected shape \[8, 128, 32\]"):
+    with pytest.raises(csfmoe.InvalidArgument,
+                       match=r"quantized\['model\.layers\.1\.mlp'\]\['w2'\]: expected shape \[8, 128, 32\]"):
         integ.patch_model(model, quantized={**layers, "model.layers.1.mlp": bad})
     assert not integ.is_patched(model)
     assert not any(isinstance(m, integ.CsfExperts) for m in model.modules())
@@ -365,3 +366,53 @@ def test_fp4_tensors_are_checked(seed):
     oss = tiny_model("gpt_oss", seed)
     with pytest.raises(csfmoe.Unsupported, match="SiLU blocks only"):
         integ.patch_model(oss, quantized={"model.layers.0.mlp": {}})
+
+
+def test_save_pretrained_of_a_patched_model_is_refused(seed, tmp_path):
+    """transformers would save no routed experts (CsfExperts holds no
+    parameters) and a reload would fill them at random: refused while
+    patched, nothing written; unpatched, the model saves and reloads."""
+    model = tiny_model("qwen3_moe", seed)
+    integ.patch_model(model)
+    with pytest.raises(csfmoe.Unsupported, match="unpatch_model") as e:
+        model.save_pretrained(tmp_path / "patched")
+    assert "routed experts" in str(e.value)
+    assert not (tmp_path / "patched").exists() or not any((tmp_path / "patched").iterdir())
+    integ.unpatch_model(model)
+    model.save_pretrained(tmp_path / "plain")
+    back = type(model).from_pretrained(tmp_path / "plain").eval()
+    prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        assert torch.equal(back(prompt).logits, model(prompt).logits)
+
+
+def test_patch_errors_name_the_layer_device_and_key(seed):
+    # device="cuda" where csfmoe cannot run CUDA: the package's error, naming the block.
+    if not (csfmoe.has_cuda and torch.cuda.is_available()):
+        model = tiny_model("qwen3_moe", seed)
+        with pytest.raises(csfmoe.Error) as e:
+            integ.patch_model(model, device="cuda")
+        assert "model.layers.0.mlp.experts" in str(e.value) and "device cuda" in str(e.value)
+        assert not integ.is_patched(model)
+    # A NaN in one expert's weights: the block, the tensor and the expert are named.
+    model = tiny_model("mixtral", seed)
+    g = torch.Generator().manual_seed(seed)
+    e = int(torch.randint(0, 4, (1,), generator=g))
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj[e, int(torch.randint(0, HIDDEN, (1,), generator=g)), 0] = \
+            float("nan")
+    with pytest.raises(csfmoe.InvalidArgument) as err:
+        integ.patch_model(model)
+    assert f"model.layers.1.mlp.experts.down_proj (expert {e})" in str(err.value), str(err.value)
+    assert "NaN" in str(err.value)
+    assert not integ.is_patched(model)
+    # A non-finite global scale among the given FP4 tensors: the key and the entry.
+    model = tiny_model("qwen3_moe", seed)
+    layers = checkpoint_layers(model, "nvfp4", False)
+    bad = dict(layers["model.layers.1.mlp"])
+    bad["w13_global"] = bad["w13_global"].clone()
+    bad["w13_global"][e] = float("inf")
+    with pytest.raises(csfmoe.InvalidArgument) as err:
+        integ.patch_model(model, quantized={**layers, "model.layers.1.mlp": bad})
+    assert f"quantized['model.layers.1.mlp']['w13_global'][{e}] is inf" in str(err.value), str(err.value)
+    assert not integ.is_patched(model)

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -215,7 +216,9 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
         if (b12x && cand->shape.experts != 1)
           throw InvalidArgument(fmt::format(
               "{}: tensor '{}': stacked expert scales {}; the b12x schema stores one tensor per expert "
-              "projection (per-expert names such as ...experts.E.gate_proj.weight_scale)",
+              "projection (per-expert names such as ...experts.E.gate_proj.weight_scale), as b12x / vLLM "
+              "load them, and does not rename tensors; compress this file with the csfmoe schema (the "
+              "default), which stores stacked scales",
               label, t->name, shape_str(t->shape)));
         if (b12x && !planes_storable(cand->shape))
           throw InvalidArgument(fmt::format(
@@ -784,6 +787,13 @@ std::optional<std::string> detail::original_index(const std::string& raw, const 
 // ---------------------------------------------------------------------------
 namespace {
 
+std::string already_compressed(const fs::path& p) {
+  return fmt::format(
+      "{} is already a CSF container: nothing to compress again (inspect and verify read it as it is; "
+      "decompress restores the original; a tensor-parallel slice of it can be stored with tp and rank)",
+      p.string());
+}
+
 // compress_checkpoint of a whole (unsliced) input; `sliced` as in compress_file, per file name.
 CheckpointReport compress_whole(const fs::path& in, const fs::path& out, const CompressOptions& options,
                                 const SlicedPlanes* sliced) {
@@ -800,12 +810,12 @@ CheckpointReport compress_whole(const fs::path& in, const fs::path& out, const C
     if (foreign_b12x(file, file.path().string()))
       throw InvalidArgument(
           fmt::format("{} is written by b12x / vLLM (its scales are CSF planes already): "
-                      "decompress it first, or slice it with --tp",
+                      "decompress it first, or store one tensor-parallel slice of it (tp and rank)",
                       file.path().string()));
   };
   if (!fs::is_directory(in)) {
     st::File src = st::File::open(in);
-    if (container_info(src)) throw InvalidArgument(fmt::format("{} is already a CSF container", in.string()));
+    if (container_info(src)) throw InvalidArgument(already_compressed(in));
     refuse_b12x(src);
     job.total = src.data_size();
     compress_file(src, out, in.filename().string(), job, rep, true, planes_of(""));
@@ -814,8 +824,7 @@ CheckpointReport compress_whole(const fs::path& in, const fs::path& out, const C
   Folder f = open_folder(in);
   check_index_tensors(f, in);
   for (const auto& [n, file] : f.files) {
-    if (container_info(file))
-      throw InvalidArgument(fmt::format("{} is already a CSF container", file.path().string()));
+    if (container_info(file)) throw InvalidArgument(already_compressed(file.path()));
     refuse_b12x(file);
     job.total += file.data_size();
   }
@@ -846,10 +855,16 @@ CheckpointReport compress_checkpoint(const fs::path& in, const fs::path& out,
     TempDir sliced(out.parent_path() / (out.filename().string() + ".tp-slice"));
     const fs::path src = sliced.path() / (fs::is_directory(in) ? fs::path("checkpoint") : in.filename());
     SlicedPlanes planes;
-    slice_checkpoint_tp(in, src, options.tp, options.tp_rank, options.layout, &planes);
+    const TpSliceBytes bytes =
+        slice_checkpoint_tp(in, src, options.tp, options.tp_rank, options.layout, &planes, options.progress);
     CompressOptions whole = options;
     whole.tp = 1;
     whole.tp_rank = 0;
+    // One bar for the whole job: slicing counted the source bytes first.
+    if (options.progress)
+      whole.progress = [&options, read = bytes.source](const Progress& p) {
+        options.progress(Progress{read + p.bytes_done, read + p.bytes_total, p.current});
+      };
     CheckpointReport rep = compress_whole(src, out, whole, &planes);
     rep.path = in;
     return rep;
@@ -963,12 +978,40 @@ void decompress_checkpoint(const fs::path& in, const fs::path& out, const Compre
   tmp.commit();
 }
 
+namespace {
+
+// Records `file`'s tensor-parallel slice, if it holds one (its metadata, which
+// a container keeps from the slice it was made of).
+void note_tp_slice(CheckpointReport& rep, const st::File& file, const std::string& name) {
+  const auto& md = file.header().metadata;
+  if (!md) return;
+  const auto t = md->find(kTpKey), r = md->find(kTpRankKey);
+  if (t == md->end() && r == md->end()) return;
+  const auto number = [&](auto it, const char* key) {
+    unsigned v = 0;
+    const std::string s = it == md->end() ? "" : it->second;
+    const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+    if (s.empty() || ec != std::errc() || end != s.data() + s.size())
+      throw FormatError(
+          fmt::format("{}: __metadata__ '{}' is '{}', not a number", file.path().string(), key, s));
+    return v;
+  };
+  TpSliceInfo info{name, number(t, kTpKey), number(r, kTpRankKey)};
+  if (info.tp < 2 || info.rank >= info.tp)
+    throw FormatError(fmt::format("{}: __metadata__ says tensor-parallel rank {} of tp {}",
+                                  file.path().string(), info.rank, info.tp));
+  rep.tp_slices.push_back(std::move(info));
+}
+
+}  // namespace
+
 CheckpointReport verify_checkpoint(const fs::path& in, const CompressOptions& options) {
   CheckpointReport rep;
   rep.path = in;
   Job job{options};
   auto one = [&](const st::File& file, const std::string& n) {
     if (auto info = container_info(file)) {
+      note_tp_slice(rep, file, n);
       restore_file(file, *info, nullptr, n, job, &rep);
     } else if (const auto b12x = foreign_b12x(file, file.path().string())) {
       read_b12x_file(file, *b12x, nullptr, n, job, rep);
@@ -1016,6 +1059,7 @@ CheckpointReport inspect_checkpoint(const fs::path& in, const CompressOptions& o
   rep.path = in;
   Job job{options};
   auto one = [&](const st::File& file, const std::string& n) {
+    note_tp_slice(rep, file, n);
     if (auto info = container_info(file)) {
       // Stats from the stored parts (validated, not decoded).
       const std::string label = file.path().string();

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -15,6 +16,7 @@
 #include "checkpoint/b12x_file.hpp"
 #include "checkpoint/container.hpp"
 #include "checkpoint/detect.hpp"
+#include "csfmoe/checkpoint.hpp"
 #include "csfmoe/checkpoint_reader.hpp"
 #include "csfmoe/errors.hpp"
 #include "csfmoe/parallel.hpp"
@@ -149,39 +151,48 @@ class FileSlicer {
     }
   }
 
-  void write(const fs::path& dest) const {
+  // The slice's metadata and tensors (shapes and offsets), without reading data.
+  void plan() {
     // The original's metadata (a container's logical header holds it).
-    st::Metadata md = f_.header().metadata.value_or(st::Metadata{});
-    if (md.count(kTpKey))
+    md_ = f_.header().metadata.value_or(st::Metadata{});
+    if (md_.count(kTpKey))
       throw InvalidArgument(fmt::format("{} is already a tensor-parallel slice (tp = {}, rank = {})", label_,
-                                        md[kTpKey], md.count(kTpRankKey) ? md[kTpRankKey] : "?"));
-    md[kTpKey] = std::to_string(tp_);
-    md[kTpRankKey] = std::to_string(rank_);
+                                        md_[kTpKey], md_.count(kTpRankKey) ? md_[kTpRankKey] : "?"));
+    md_[kTpKey] = std::to_string(tp_);
+    md_[kTpRankKey] = std::to_string(rank_);
     // Data order of the source, so that the slice reads like the original.
-    std::vector<const st::TensorInfo*> order;
-    for (const auto& t : f_.tensors()) order.push_back(&t);
-    std::stable_sort(order.begin(), order.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
-    std::vector<st::TensorInfo> planned;
-    std::uint64_t off = 0;
-    for (const auto* t : order) {
+    order_.clear();
+    for (const auto& t : f_.tensors()) order_.push_back(&t);
+    std::stable_sort(order_.begin(), order_.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
+    planned_.clear();
+    sliced_bytes_ = source_bytes_ = 0;
+    for (const auto* t : order_) {
       st::TensorInfo p = *t;
       p.shape = slice(*t, true).shape;
       std::uint64_t n = st::dtype_size(t->dtype);
       for (auto d : p.shape) n *= d;
-      p.begin = off;
-      off += n;
-      p.end = off;
-      planned.push_back(std::move(p));
+      p.begin = sliced_bytes_;
+      sliced_bytes_ += n;
+      p.end = sliced_bytes_;
+      source_bytes_ += t->nbytes();
+      planned_.push_back(std::move(p));
     }
-    st::Writer w(dest, st::Writer::header_json_size(planned, md) + 64);
-    for (const auto* t : order) {
+  }
+  std::uint64_t source_bytes() const { return source_bytes_; }  // logical bytes read
+  std::uint64_t sliced_bytes() const { return sliced_bytes_; }  // data bytes written
+
+  // After plan(); `tick` gets each source tensor's bytes once it is written.
+  void write(const fs::path& dest, const std::function<void(std::uint64_t, const std::string&)>& tick) const {
+    st::Writer w(dest, st::Writer::header_json_size(planned_, md_) + 64);
+    for (const auto* t : order_) {
       Sliced s = slice(*t, false);
       if (s.copy)
         w.add_tensor(t->name, t->dtype, t->shape, f_.read(t->name));
       else
         w.add_tensor(t->name, t->dtype, std::move(s.shape), s.bytes);
+      if (tick) tick(t->nbytes(), t->name);
     }
-    w.commit(md);
+    w.commit(md_);
   }
 
  private:
@@ -191,18 +202,72 @@ class FileSlicer {
   Detection det_;
   std::map<std::string, std::vector<CsfPlanes>>* planes_;  // optional: sliced planes of CSF tensors
   std::map<std::string, const ScaleCandidate*> by_companion_;
+  st::Metadata md_;
+  std::vector<const st::TensorInfo*> order_;
+  std::vector<st::TensorInfo> planned_;
+  std::uint64_t source_bytes_ = 0, sliced_bytes_ = 0;
 };
+
+// The shard index of a slice: the source's (a container folder's rewritten
+// index gives back the original), with metadata.total_size, where present,
+// set to the slice's data bytes, and b12x plane entries renamed to their
+// scale (the slice is native, as decompress writes it).
+std::string sliced_index(const fs::path& index_file, std::uint64_t total_size,
+                         const std::map<std::string, std::string>& plane_to_scale) {
+  using ojson = nlohmann::ordered_json;
+  const st::ShardIndex idx = st::read_shard_index(index_file);
+  const std::string orig = original_index(idx.raw, index_file.string()).value_or(idx.raw);
+  ojson j;
+  try {
+    j = ojson::parse(orig);
+  } catch (const nlohmann::json::exception&) {
+    throw FormatError(fmt::format("{}: not valid JSON", index_file.string()));
+  }
+  bool changed = false;
+  if (!plane_to_scale.empty()) {
+    ojson wm = ojson::object();
+    for (const auto& [tensor, shard] : idx.weight_map) {
+      const auto it = plane_to_scale.find(tensor);
+      wm[it == plane_to_scale.end() ? tensor : it->second] = shard;
+    }
+    j["weight_map"] = std::move(wm);
+    changed = true;
+  }
+  if (const auto m = j.find("metadata"); m != j.end() && m->is_object())
+    if (const auto ts = m->find("total_size"); ts != m->end() && ts->is_number()) {
+      *ts = total_size;
+      changed = true;
+    }
+  return changed ? j.dump(2) + "\n" : orig;
+}
 
 }  // namespace
 
-void slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsigned tp, unsigned rank,
-                         std::optional<ScaleLayout> layout, SlicedPlanes* planes) {
-  if (tp == 0) throw InvalidArgument("--tp must be at least 1");
-  if (rank >= tp) throw InvalidArgument(fmt::format("--rank {} is not below --tp {}", rank, tp));
+TpSliceBytes slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsigned tp, unsigned rank,
+                                 std::optional<ScaleLayout> layout, SlicedPlanes* planes,
+                                 const ProgressFn& progress) {
+  if (tp == 0) throw InvalidArgument("tp must be at least 1");
+  if (rank >= tp) throw InvalidArgument(fmt::format("rank {} is not below tp {}", rank, tp));
+  TpSliceBytes bytes;
+  // Progress counts the source bytes read, out of all the job's bytes
+  // (source + slice: the compressor continues from here).
+  const auto ticker = [&](const std::string& file) {
+    return [&, file](std::uint64_t n, const std::string& tensor) {
+      bytes.done += n;
+      if (progress)
+        progress(Progress{bytes.done, bytes.source + bytes.sliced,
+                          fmt::format("{}{}{} (tp slice)", file, tensor.empty() ? "" : ":", tensor)});
+    };
+  };
   if (!fs::is_directory(in)) {
     const CheckpointFile f = CheckpointFile::open(in);
-    FileSlicer(f, tp, rank, layout, planes ? &(*planes)[""] : nullptr).write(out);
-    return;
+    FileSlicer s(f, tp, rank, layout, planes ? &(*planes)[""] : nullptr);
+    s.plan();
+    bytes.source = s.source_bytes();
+    bytes.sliced = s.sliced_bytes();
+    ticker(in.filename().string())(0, "");  // the bar starts before the first tensor is read
+    s.write(out, ticker(in.filename().string()));
+    return bytes;
   }
   if (read_manifest_export(in))
     throw Unsupported(
@@ -213,21 +278,43 @@ void slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsigned tp, u
   if (!fs::create_directory(out, ec) || ec)
     throw IoError(
         fmt::format("{}: cannot create folder: {}", out.string(), ec ? ec.message() : "already exists"));
-  // Shards an index lists in a sub-folder ("tensors/x.safetensors"): sliced
-  // in place, the sub-folder's other files copied.
+  // Shards an index lists in a sub-folder ("tensors/x.safetensors") are
+  // sliced in place, the sub-folder's other files copied.
   std::set<std::string> nested;
   if (fs::exists(fs::symlink_status(in / st::kIndexFileName, ec)))
     for (const auto& s : st::read_shard_index(in / st::kIndexFileName).shards)
       if (s.find('/') != std::string::npos) nested.insert(s);
+  std::vector<std::string> names;
+  for (const auto& de : fs::directory_iterator(in)) names.push_back(de.path().filename().string());
+  std::sort(names.begin(), names.end());
+  const auto holds_nested = [&](const std::string& dir) {
+    const auto it = nested.lower_bound(dir + "/");
+    return it != nested.end() && it->starts_with(dir + "/");
+  };
+  // Every shard is opened and planned first: the job's size is known from the start.
+  std::map<std::string, CheckpointFile> files;
+  for (const auto& n : names) {
+    if (fs::is_symlink(fs::symlink_status(in / n, ec)))
+      throw Unsupported(
+          fmt::format("{}: '{}' is a symlink; tensor-parallel slicing needs plain files", in.string(), n));
+    if (n.ends_with(".safetensors") && !holds_nested(n))
+      files.emplace(n, CheckpointFile::open(st::resolve_inside(in, n, in.string())));
+  }
+  for (const auto& r : nested) files.emplace(r, CheckpointFile::open(st::resolve_shard(in, r, in.string())));
   // The slice is native: the index entries of b12x planes become their scale's.
   std::map<std::string, std::string> plane_to_scale;
-  const auto slice_file = [&](const fs::path& from, const std::string& n, const fs::path& to) {
-    const CheckpointFile f = CheckpointFile::open(from);
+  std::map<std::string, FileSlicer> slicers;
+  for (const auto& [n, f] : files) {
     if (f.is_b12x())
       for (const auto& e : f.csf_entries())
         for (const auto& part : e.parts) plane_to_scale[part] = e.name;
-    FileSlicer(f, tp, rank, layout, planes ? &(*planes)[n] : nullptr).write(to);
-  };
+    FileSlicer& s =
+        slicers.try_emplace(n, f, tp, rank, layout, planes ? &(*planes)[n] : nullptr).first->second;
+    s.plan();
+    bytes.source += s.source_bytes();
+    bytes.sliced += s.sliced_bytes();
+  }
+  if (!files.empty()) ticker(files.begin()->first)(0, "");  // the bar starts before the first tensor is read
   const auto slice_tree = [&](const auto& self, const fs::path& from, const fs::path& to,
                               const std::string& rel) -> void {
     std::error_code e2;
@@ -237,7 +324,7 @@ void slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsigned tp, u
     for (const auto& de : fs::directory_iterator(from)) {
       const std::string name = de.path().filename().string(), r = rel + "/" + name;
       if (nested.count(r)) {
-        slice_file(st::resolve_shard(in, r, in.string()), r, to / name);
+        slicers.at(r).write(to / name, ticker(r));
       } else if (!de.is_symlink(e2) && de.is_directory(e2)) {
         self(self, de.path(), to / name, r);
       } else {
@@ -248,46 +335,26 @@ void slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsigned tp, u
       }
     }
   };
-  std::vector<std::string> names;
-  for (const auto& de : fs::directory_iterator(in)) names.push_back(de.path().filename().string());
-  std::sort(names.begin(), names.end());
   for (const auto& n : names) {
     const fs::path p = in / n;
-    if (fs::is_symlink(fs::symlink_status(p, ec)))
-      throw Unsupported(
-          fmt::format("{}: '{}' is a symlink; tensor-parallel slicing needs plain files", in.string(), n));
-    if (const auto it = nested.lower_bound(n + "/"); it != nested.end() && it->starts_with(n + "/")) {
+    if (holds_nested(n)) {
       slice_tree(slice_tree, p, out / n, n);
     } else if (n.ends_with(".safetensors")) {
-      slice_file(st::resolve_inside(in, n, in.string()), n, out / n);
+      slicers.at(n).write(out / n, ticker(n));
     } else if (n == st::kIndexFileName) {
-      continue;  // written once every shard is sliced
+      // The index names tensors, not shapes: it stays valid for the slice,
+      // with the slice's total_size.
+      const std::string text = sliced_index(p, bytes.sliced, plane_to_scale);
+      std::ofstream o(out / n, std::ios::binary);
+      o << text;
+      if (!o.flush()) throw IoError(fmt::format("cannot write {}", (out / n).string()));
     } else {
-      // The index names tensors, not shapes: it stays valid for the slice.
       fs::copy(p, out / n, fs::copy_options::recursive | fs::copy_options::copy_symlinks, ec);
       if (ec)
         throw IoError(fmt::format("cannot copy {} to {}: {}", p.string(), (out / n).string(), ec.message()));
     }
   }
-  if (const fs::path p = in / st::kIndexFileName; fs::exists(fs::symlink_status(p, ec))) {
-    // The index names tensors, not shapes: it stays valid for the slice (a
-    // container folder's rewritten index gives back the original; b12x
-    // planes are renamed to their scale, as decompress does).
-    const st::ShardIndex idx = st::read_shard_index(p);
-    std::string text = original_index(idx.raw, p.string()).value_or(idx.raw);
-    if (!plane_to_scale.empty()) {
-      nlohmann::ordered_json j = nlohmann::ordered_json::parse(text), wm = nlohmann::ordered_json::object();
-      for (const auto& [tensor, shard] : idx.weight_map) {
-        const auto it = plane_to_scale.find(tensor);
-        wm[it == plane_to_scale.end() ? tensor : it->second] = shard;
-      }
-      j["weight_map"] = std::move(wm);
-      text = j.dump(2) + "\n";
-    }
-    std::ofstream o(out / st::kIndexFileName, std::ios::binary);
-    o << text;
-    if (!o.flush()) throw IoError(fmt::format("cannot write {}", (out / st::kIndexFileName).string()));
-  }
+  return bytes;
 }
 
 }  // namespace csfmoe::detail

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "csfmoe/b12x_planes.hpp"
+#include "csfmoe/checkpoint.hpp"
 #include "csfmoe/formats.hpp"
 
 namespace csfmoe::detail {
@@ -32,8 +33,19 @@ inline constexpr const char* kTpRankKey = "csfmoe.tp_rank";
 // (slice_planes: bases keep their full-row values, records filtered and
 // re-addressed), keyed by file name ("" for a single file) and tensor, for
 // the compressor to store instead of encoding the slice again.
+//
+// A folder's model.safetensors.index.json is copied with its
+// metadata.total_size set to the slice's data bytes. `progress` gets the
+// source bytes read, out of source + slice bytes (the rest of the job:
+// compressing the slice); the sizes are returned.
 using SlicedPlanes = std::map<std::string, std::map<std::string, std::vector<CsfPlanes>>>;
-void slice_checkpoint_tp(const std::filesystem::path& in, const std::filesystem::path& out, unsigned tp,
-                         unsigned rank, std::optional<ScaleLayout> layout, SlicedPlanes* planes = nullptr);
+struct TpSliceBytes {
+  std::uint64_t source = 0;  // logical bytes of the input's tensors
+  std::uint64_t sliced = 0;  // data bytes of the slice written
+  std::uint64_t done = 0;
+};
+TpSliceBytes slice_checkpoint_tp(const std::filesystem::path& in, const std::filesystem::path& out,
+                                 unsigned tp, unsigned rank, std::optional<ScaleLayout> layout,
+                                 SlicedPlanes* planes = nullptr, const ProgressFn& progress = {});
 
 }  // namespace csfmoe::detail

@@ -104,7 +104,7 @@ void canonicalize(const PlaneLayout& L, std::vector<u8>& fixed, std::vector<u32>
 
 void check_ranges(const PlaneShape& s, std::span<const AxisRange> rows, AxisRange cols,
                   std::string_view name) {
-  const std::string what = fmt::format("{}: b12x CSF slice of grid {}", name, to_string(s));
+  const std::string what = fmt::format("{}: CSF planes slice of grid {}", name, to_string(s));
   if (rows.empty()) throw InvalidArgument(what + ": no row ranges given");
   for (const AxisRange& r : rows) {
     if (r.count == 0 || r.first > s.rows || r.count > s.rows - r.first)  // no wrap-around
@@ -137,21 +137,20 @@ std::uint64_t plane_slab_bytes(ScaleFormat format, std::uint32_t cols) {
 
 void check_plane_shape(const PlaneShape& s, std::string_view name) {
   if (!is_known(s.format))
-    throw InvalidArgument(
-        fmt::format("{}: b12x CSF planes: unknown scale format {}", name, unsigned(s.format)));
+    throw InvalidArgument(fmt::format("{}: CSF planes: unknown scale format {}", name, unsigned(s.format)));
   if (s.rows == 0 || s.cols == 0)
     throw InvalidArgument(
-        fmt::format("{}: b12x CSF grid {}: rows and cols must both be at least 1", name, to_string(s)));
+        fmt::format("{}: CSF planes grid {}: rows and cols must both be at least 1", name, to_string(s)));
   if (s.rows % plane_slab_rows != 0)
     throw InvalidArgument(
-        fmt::format("{}: b12x CSF grid {}: rows must be a multiple of 16 (the planes hold 16-row slabs)",
+        fmt::format("{}: CSF planes grid {}: rows must be a multiple of 16 (the planes hold 16-row slabs)",
                     name, to_string(s)));
   if (s.format == kNv && s.cols % 2 != 0)
     throw InvalidArgument(fmt::format(
-        "{}: b12x CSF grid {}: NVFP4 cols must be even (two 4-bit codes per byte)", name, to_string(s)));
+        "{}: CSF planes grid {}: NVFP4 cols must be even (two 4-bit codes per byte)", name, to_string(s)));
   if (u64{s.rows} * s.cols > csf_max_positions)
     throw InvalidArgument(
-        fmt::format("{}: b12x CSF grid {}: {} positions, but exception positions are 24-bit (at most {})",
+        fmt::format("{}: CSF planes grid {}: {} positions, but exception positions are 24-bit (at most {})",
                     name, to_string(s), u64{s.rows} * s.cols, csf_max_positions));
 }
 
@@ -159,7 +158,7 @@ CsfPlanes encode_planes(const PlaneShape& s, std::span<const std::uint8_t> nativ
   check_plane_shape(s, name);
   const u64 want = u64{s.rows} * s.cols;
   if (native.size() != want)
-    throw InvalidArgument(fmt::format("{}: b12x CSF encode: source holds {} bytes, expected {} for grid {}",
+    throw InvalidArgument(fmt::format("{}: CSF planes encode: source holds {} bytes, expected {} for grid {}",
                                       name, native.size(), want, to_string(s)));
   const PlaneLayout L(s);
   CsfPlanes out;
@@ -188,14 +187,14 @@ void validate_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,
   const u64 want = plane_fixed_bytes(s);
   if (fixed.size() != want)
     throw FormatError(
-        fmt::format("{}: b12x CSF fixed plane holds {} bytes, expected {} ({} slabs of {} bytes) for grid {}",
+        fmt::format("{}: CSF fixed plane holds {} bytes, expected {} ({} slabs of {} bytes) for grid {}",
                     name, fixed.size(), want, s.rows / plane_slab_rows, L.slab_bytes, to_string(s)));
   const u8 max_base = L.max_base();
   for (u32 r = 0; r < s.rows; ++r) {
     const u8 base = fixed[L.base_at(r)];
     if (base > max_base)
       throw FormatError(
-          fmt::format("{}: b12x CSF fixed plane: row {} has base {}, above {} (the window [base, base + {}] "
+          fmt::format("{}: CSF fixed plane: row {} has base {}, above {} (the window [base, base + {}] "
                       "must fit in a "
                       "byte)",
                       name, r, base, max_base, L.window - 1));
@@ -203,7 +202,7 @@ void validate_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,
       const u8 last = fixed[L.codes_at(r) + s.cols / 8];
       if (last >> (s.cols % 8))
         throw FormatError(
-            fmt::format("{}: b12x CSF fixed plane: row {} has selector bits set past its last column {} "
+            fmt::format("{}: CSF fixed plane: row {} has selector bits set past its last column {} "
                         "(unused bits must "
                         "be 0)",
                         name, r, s.cols - 1));
@@ -215,12 +214,12 @@ void validate_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,
     const u32 pos = csf::record_position(rec);
     if (i > 0 && pos <= csf::record_position(exceptions[i - 1]))
       throw FormatError(fmt::format(
-          "{}: b12x CSF exceptions: record {} has position {}, not above the previous record's {} (records "
+          "{}: CSF exceptions plane: record {} has position {}, not above the previous record's {} (records "
           "must be strictly increasing)",
           name, i, pos, csf::record_position(exceptions[i - 1])));
     if (pos >= positions)
       throw FormatError(
-          fmt::format("{}: b12x CSF exceptions: record {} has position {}, outside the {}x{} grid", name, i,
+          fmt::format("{}: CSF exceptions plane: record {} has position {}, outside the {}x{} grid", name, i,
                       pos, s.rows, s.cols));
   }
 }
@@ -239,7 +238,7 @@ void decode_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,
   const u64 want = u64{s.rows} * s.cols;
   if (native.size() != want)
     throw InvalidArgument(
-        fmt::format("{}: b12x CSF decode: destination holds {} bytes, expected {} for grid {}", name,
+        fmt::format("{}: CSF planes decode: destination holds {} bytes, expected {} for grid {}", name,
                     native.size(), want, to_string(s)));
   const PlaneLayout L(s);
   for (u32 r = 0; r < s.rows; ++r) {
@@ -280,7 +279,7 @@ CsfPlanes slice_planes(const CsfPlanes& source, std::span<const AxisRange> rows,
   u64 out_rows = 0;
   for (const AxisRange& r : rows) out_rows += r.count;
   if (out_rows > std::numeric_limits<u32>::max())
-    throw InvalidArgument(fmt::format("{}: b12x CSF slice: {} rows in all, too many", name, out_rows));
+    throw InvalidArgument(fmt::format("{}: CSF planes slice: {} rows in all, too many", name, out_rows));
   const PlaneShape os{s.format, static_cast<u32>(out_rows), static_cast<u32>(cols.count)};
   check_plane_shape(os, name);
   const PlaneLayout in(s), out_layout(os);
@@ -316,21 +315,21 @@ CsfPlanes slice_planes(const CsfPlanes& source, std::span<const AxisRange> rows,
 }
 
 CsfPlanes concat_planes(std::span<const CsfPlanes> parts, std::string_view name) {
-  if (parts.empty()) throw InvalidArgument(fmt::format("{}: b12x CSF concatenation: no parts given", name));
+  if (parts.empty()) throw InvalidArgument(fmt::format("{}: CSF planes concatenation: no parts given", name));
   const PlaneShape first = parts[0].shape;
   u64 rows = 0;
   for (std::size_t i = 0; i < parts.size(); ++i) {
     const PlaneShape& s = parts[i].shape;
     if (s.format != first.format || s.cols != first.cols)
       throw InvalidArgument(fmt::format(
-          "{}: b12x CSF concatenation: part {} has grid {}, part 0 has {} (format and columns must "
+          "{}: CSF planes concatenation: part {} has grid {}, part 0 has {} (format and columns must "
           "agree)",
           name, i, to_string(s), to_string(first)));
     validate_planes(s, parts[i].fixed, parts[i].exceptions, fmt::format("{} part {}", name, i));
     rows += s.rows;
   }
   if (rows > std::numeric_limits<u32>::max())
-    throw InvalidArgument(fmt::format("{}: b12x CSF concatenation: {} rows in all, too many", name, rows));
+    throw InvalidArgument(fmt::format("{}: CSF planes concatenation: {} rows in all, too many", name, rows));
   CsfPlanes out;
   out.shape = {first.format, static_cast<u32>(rows), first.cols};
   check_plane_shape(out.shape, name);
@@ -349,13 +348,14 @@ CsfPlanes concat_planes(std::span<const CsfPlanes> parts, std::string_view name)
 
 CsfTensor planes_to_csf(std::span<const CsfPlanes> experts, std::string_view name) {
   if (experts.empty())
-    throw InvalidArgument(fmt::format("{}: b12x CSF planes to CSF: no experts given", name));
+    throw InvalidArgument(fmt::format("{}: CSF planes to CSF tensor: no experts given", name));
   const PlaneShape s = experts[0].shape;
   check_plane_shape(s, name);
   for (std::size_t e = 0; e < experts.size(); ++e) {
     if (experts[e].shape != s)
-      throw InvalidArgument(fmt::format("{}: b12x CSF planes to CSF: expert {} has grid {}, expert 0 has {}",
-                                        name, e, to_string(experts[e].shape), to_string(s)));
+      throw InvalidArgument(
+          fmt::format("{}: CSF planes to CSF tensor: expert {} has grid {}, expert 0 has {}", name, e,
+                      to_string(experts[e].shape), to_string(s)));
   }
   // The resident form holds the encoder's form (csfmoe's validate requires it).
   std::vector<CsfPlanes> canonical;
@@ -364,13 +364,13 @@ CsfTensor planes_to_csf(std::span<const CsfPlanes> experts, std::string_view nam
     canonical.push_back(canonical_planes(experts[e], fmt::format("{} expert {}", name, e)));
   if (experts.size() > std::numeric_limits<u32>::max())
     throw InvalidArgument(
-        fmt::format("{}: b12x CSF planes to CSF: {} experts, too many", name, experts.size()));
+        fmt::format("{}: CSF planes to CSF tensor: {} experts, too many", name, experts.size()));
   const u32 E = static_cast<u32>(experts.size()), R = s.rows, C = s.cols;
   CsfGeometry g;
   try {
     g = CsfGeometry::of(GridShape{s.format, ScaleLayout::row_major, E, R, C});
   } catch (const InvalidArgument& err) {
-    throw InvalidArgument(fmt::format("{}: b12x CSF planes to CSF: {}", name, err.what()));
+    throw InvalidArgument(fmt::format("{}: CSF planes to CSF tensor: {}", name, err.what()));
   }
   const PlaneLayout L(s);
   CsfTensor t;

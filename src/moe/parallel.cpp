@@ -185,10 +185,18 @@ std::vector<AxisRange> tensor_parallel_axis_ranges(std::uint64_t length, TpSplit
   if (granule == 0) granule = 1;
   if (split == TpSplit::none) return {AxisRange{0, length}};
   const std::uint64_t parts = split == TpSplit::gate_up_rows ? 2ull * tp : tp;
-  if (length % parts || (length / parts) % granule)
-    throw InvalidArgument(fmt::format(
-        "{}: axis of length {} cannot be split into {} equal {}pieces of whole {}-element units for tp = {}",
-        what, length, parts, split == TpSplit::gate_up_rows ? "(gate and up half) " : "", granule, tp));
+  if (length % parts || (length / parts) % granule) {
+    const std::string units = granule > 1 ? fmt::format(" of whole {}-element groups", granule) : "";
+    if (split == TpSplit::gate_up_rows)
+      throw InvalidArgument(fmt::format(
+          "{}: cannot cut its {} rows (gate half and up half) into tp = {} equal slices per half{}: "
+          "for tp = {} the row count must be a multiple of {}",
+          what, length, tp, units, tp, parts * granule));
+    throw InvalidArgument(
+        fmt::format("{}: cannot cut an axis of {} elements into tp = {} equal slices{}: for tp = {} it must "
+                    "be a multiple of {}",
+                    what, length, tp, units, tp, parts * granule));
+  }
   const std::uint64_t n = length / parts;
   if (split == TpSplit::gate_up_rows) return {AxisRange{rank * n, n}, AxisRange{length / 2 + rank * n, n}};
   return {AxisRange{rank * n, n}};

@@ -855,15 +855,34 @@ TEST_F(CliTest, InspectDeviceReportsResidentBytesPerLayerAndModel) {
   EXPECT_EQ(d["scales"]["native_bytes"].get<std::uint64_t>(), native);
   EXPECT_EQ(d["scales"]["csf_bytes"].get<std::uint64_t>(), csf_bytes);
   EXPECT_EQ(d["expand_scratch_bytes"].get<std::uint64_t>(), largest);
+  // The totals count the scratch CSF scales need: saved is what is left after it.
+  for (const char* total : {"scales", "model"}) {
+    const auto& t = d[total];
+    const auto n = t["native_bytes"].get<std::int64_t>(), c = t["csf_bytes"].get<std::int64_t>(),
+               b = t["b12x_bytes"].get<std::int64_t>(), s = std::int64_t(largest);
+    EXPECT_EQ(t["expand_scratch_bytes"].get<std::int64_t>(), s) << total;
+    EXPECT_EQ(t["csf_with_scratch_bytes"].get<std::int64_t>(), c + s) << total;
+    EXPECT_EQ(t["b12x_with_scratch_bytes"].get<std::int64_t>(), b + s) << total;
+    EXPECT_EQ(t["net_saved_bytes"].get<std::int64_t>(), n - c - s) << total;
+    EXPECT_EQ(t["saved_bytes"].get<std::int64_t>(), std::max<std::int64_t>(0, n - c - s)) << total;
+  }
+  // With two layers the scratch (one layer's native scales) outweighs what CSF saves on the scales.
+  EXPECT_LT(d["scales"]["net_saved_bytes"].get<std::int64_t>(), 0) << d.dump();
+  EXPECT_EQ(d["scales"]["b12x_bytes"].get<std::uint64_t>() - d["scales"]["csf_bytes"].get<std::uint64_t>(),
+            d["model"]["b12x_bytes"].get<std::uint64_t>() - d["model"]["csf_bytes"].get<std::uint64_t>());
   // The model total counts every tensor; only the scales shrink.
   EXPECT_EQ(d["model"]["native_bytes"], j["totals"]["file_source_bytes"]);
-  EXPECT_EQ(d["model"]["saved_bytes"], d["scales"]["saved_bytes"]);
-  // The table form names the layers and the scratch.
+  EXPECT_EQ(d["model"]["net_saved_bytes"], d["scales"]["net_saved_bytes"]);
+  // The table form names the layers and the scratch, and says when CSF plus scratch exceed native.
   const auto table = csf({"inspect", out.string(), "--device"});
   ASSERT_EQ(table.code, 0) << table.err;
   EXPECT_NE(table.out.find("resident device memory"), std::string::npos) << table.out;
   EXPECT_NE(table.out.find("model.layers.1.mlp.experts"), std::string::npos) << table.out;
   EXPECT_NE(table.out.find("expand scratch"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("all block scales, with the scratch"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("CSF scales plus the expand scratch exceed the native scales by"),
+            std::string::npos)
+      << table.out;
 }
 
 // --- edges a new user meets (issue #24) -------------------------------------
@@ -1037,6 +1056,48 @@ TEST_F(CliTest, MessagesForEdgeArguments) {
   for (const char* word : {"ratio", "lower is better", "bases", "exc", "native_kept", "passthrough",
                            "stage_read", "Exit codes", "--max-error"})
     EXPECT_NE(r.out.find(word), std::string::npos) << word;
+}
+
+// What a new user meets: each refusal says why and what to do instead, and
+// the help says what each command takes.
+TEST_F(CliTest, MessagesSayWhatToDoNext) {
+  CSFMOE_SEEDED(seed);
+  const auto src = write("nv.safetensors", file_bytes(make_nvfp4_sample(seed).tensors));
+  const std::string out = (dir_ / "out" / "x.safetensors").string();
+  // --no-mxfp4-slab is the csfmoe schema's: with --schema b12x a command-line error.
+  auto r = csf({"compress", src.string(), out, "--schema", "b12x", "--no-mxfp4-slab"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_EQ(r.err.rfind("csf: usage error: ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find("--schema b12x always writes b12x's planes"), std::string::npos) << r.err;
+  EXPECT_TRUE(out_entries().empty());
+  // Stacked scales in the b12x schema: refused, naming the tensor and the schema that takes them.
+  r = csf({"compress", src.string(), out, "--schema", "b12x"});
+  expect_clean_failure(r, {"model.layers.0.mlp.experts.w13.weight_scale", "stacked", "csfmoe schema"});
+  // A container compressed again: what to do with it instead.
+  ASSERT_EQ(csf({"compress", "-q", src.string(), (dir_ / "c.safetensors").string()}).code, 0);
+  r = csf({"compress", (dir_ / "c.safetensors").string(), out});
+  expect_clean_failure(r, {"c.safetensors is already a CSF container", "decompress restores the original"});
+  // decompress --help names every input it restores.
+  r = csf({"decompress", "--help"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  for (const char* word : {"b12x / vLLM", "manifest export", "tensor-parallel", "--tp N --rank R"})
+    EXPECT_NE(r.out.find(word), std::string::npos) << word << "\n" << r.out;
+  // synth --experts: the limit per model, from the model table.
+  r = csf({"synth", "--help"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  for (const csfmoe::MoeGeometry* g : csfmoe::moe_geometries())
+    EXPECT_NE(r.out.find(std::string(g->name) + " " + std::to_string(g->experts)), std::string::npos)
+        << g->name << "\n"
+        << r.out;
+  // One layer of one expert is singular; two of each plural.
+  r = csf({"synth", (dir_ / "s1.safetensors").string(), "--model", "qwen3-30b-a3b", "--format", "nvfp4",
+           "--experts", "1", "--layers", "1"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find(" 1 layer x 1 expert ("), std::string::npos) << r.out;
+  r = csf({"synth", (dir_ / "s2.safetensors").string(), "--model", "qwen3-30b-a3b", "--format", "mxfp4",
+           "--experts", "2", "--layers", "2"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find(" 2 layers x 2 experts ("), std::string::npos) << r.out;
 }
 
 TEST_F(CliTest, QuantizeSaysWhyAMatrixStaysAsItIs) {

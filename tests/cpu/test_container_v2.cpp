@@ -6,6 +6,7 @@
 // verify, restore and load.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cstdint>
 #include <cstring>
@@ -163,6 +164,62 @@ TEST(ContainerV2, PlanesStoreBasesCodesAndRecordsOnly) {
     }
     decompress_checkpoint(d.path / "c.safetensors", d.path / "back.safetensors");
     EXPECT_TRUE(read_bytes(d.path / "back.safetensors") == read_bytes(d.path / "m.safetensors"));
+  }
+}
+
+// A damaged exceptions plane of csfmoe's own planes storage is refused naming
+// the file, the tensor and the record, as the container's planes (no b12x
+// file is involved).
+TEST(ContainerV2, DamagedPlanesAreNamedAsTheContainersOwn) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const std::uint32_t E = 1 + rng() % 3, R = 16 * (1 + rng() % 4), C = 2 * (8 + rng() % 8);
+  const GridShape g{ScaleFormat::nvfp4, ScaleLayout::row_major, E, R, C};
+  auto scales = synthetic_scales(g, ScaleDistribution::realistic, rng());
+  // Each expert's first byte far outside its row's window: at least one record per expert.
+  for (std::uint32_t e = 0; e < E; ++e) {
+    auto* row = scales.data() + std::uint64_t{e} * R * C;
+    row[0] = static_cast<std::uint8_t>(row[1] + 128);
+  }
+  const std::string name = "model.layers.0.mlp.experts.w13.weight_scale";
+  TempDir d;
+  {
+    st::Writer w(d.path / "m.safetensors", 1 << 16);
+    w.add_tensor("model.layers.0.mlp.experts.w13.weight", st::Dtype::U8, {E, R, C * 8},
+                 std::vector<std::uint8_t>(std::uint64_t{E} * R * C * 8, 0x35));
+    w.add_tensor(name, st::Dtype::F8_E4M3, {E, R, C}, scales);
+    w.commit(std::nullopt);
+  }
+  CompressOptions o;
+  o.keep_unprofitable = false;
+  const fs::path c = d.path / "c.safetensors";
+  const CheckpointReport rep = compress_checkpoint(d.path / "m.safetensors", c, o);
+  for (const auto& t : rep.tensors)
+    if (t.name == name) ASSERT_EQ(t.storage, "planes");
+  // The first record moved outside the grid.
+  std::string bytes = read_bytes(c);
+  std::uint64_t header = 0;
+  std::memcpy(&header, bytes.data(), 8);
+  const auto file = st::File::open(c);
+  const auto* records = file.find(name + ".csf.exceptions");
+  ASSERT_NE(records, nullptr);
+  ASSERT_GE(records->nbytes(), 4u);
+  const std::uint32_t bad = csf::make_record(R * C, 0xEE);
+  std::memcpy(bytes.data() + 8 + header + records->begin, &bad, 4);
+  csfmoe::testing::write_bytes(d.path / "bad.safetensors", bytes);
+  for (const auto& run : std::vector<std::function<void()>>{
+           [&] { verify_checkpoint(d.path / "bad.safetensors"); },
+           [&] { (void)CheckpointFile::open(d.path / "bad.safetensors").read(name); }}) {
+    try {
+      run();
+      ADD_FAILURE() << "a record outside the grid accepted";
+    } catch (const FormatError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("bad.safetensors"), std::string::npos) << m;
+      EXPECT_NE(m.find(name), std::string::npos) << m;
+      EXPECT_NE(m.find("CSF exceptions plane: record 0 has position"), std::string::npos) << m;
+      EXPECT_EQ(m.find("b12x"), std::string::npos) << m;
+    }
   }
 }
 
@@ -631,6 +688,16 @@ TEST(ForeignB12x, ManifestExportReadsVerifiesAndDecompressesToAHuggingFaceFolder
   refused("outside");
   fs::remove(root / "build-contract.json");
   refused("build-contract.json");
+  // A FIFO in the contract's place is named as what it is, not "missing".
+  ASSERT_EQ(::mkfifo((root / "build-contract.json").c_str(), 0600), 0);
+  try {
+    verify_checkpoint(root);
+    ADD_FAILURE() << "a FIFO contract accepted";
+  } catch (const FormatError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("build-contract.json: not a regular file"), std::string::npos) << m;
+    EXPECT_EQ(m.find("missing"), std::string::npos) << m;
+  }
 }
 
 }  // namespace

@@ -11,10 +11,12 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "csfmoe/checkpoint.hpp"
 #include "csfmoe/formats.hpp"
 #include "csfmoe/safetensors.hpp"
 #include "test_seed.hpp"
@@ -38,6 +40,20 @@ CliResult csf(const std::string& args, const fs::path& dir) {
   CliResult r;
   r.err.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
   r.code = WIFEXITED(s) ? WEXITSTATUS(s) : -1;
+  return r;
+}
+
+// csf with stdout kept too.
+CliResult csf_out(const std::string& args, const fs::path& dir, std::string& out) {
+  const fs::path o = dir / "stdout.txt", err = dir / "stderr.txt";
+  const std::string cmd =
+      std::string(CSFMOE_CSF_BINARY) + " " + args + " >" + o.string() + " 2>" + err.string();
+  const int s = std::system(cmd.c_str());
+  CliResult r;
+  r.code = WIFEXITED(s) ? WEXITSTATUS(s) : -1;
+  std::ifstream ie(err), io(o);
+  r.err.assign(std::istreambuf_iterator<char>(ie), std::istreambuf_iterator<char>());
+  out.assign(std::istreambuf_iterator<char>(io), std::istreambuf_iterator<char>());
   return r;
 }
 
@@ -284,10 +300,15 @@ TEST_F(TpCli, BadRequestsFailCleanly) {
   x = csf("compress --tp 8 --rank 0 " + in.string() + " " + out.string(), dir_);
   EXPECT_EQ(x.code, 1) << x.err;
   EXPECT_NE(x.err.find("experts.0.gate_proj.weight"), std::string::npos) << x.err;
-  // 96 rows do not split in 64 pieces.
+  // 96 rows do not split in 64 pieces: said in words a user reads.
   x = csf("compress --tp 64 --rank 3 " + in.string() + " " + out.string(), dir_);
   EXPECT_EQ(x.code, 1) << x.err;
   EXPECT_NE(x.err.find("experts.0.w1.weight"), std::string::npos) << x.err;
+  EXPECT_NE(
+      x.err.find("cannot cut an axis of 96 elements into tp = 64 equal slices: for tp = 64 it must be a "
+                 "multiple of 64"),
+      std::string::npos)
+      << x.err;
   EXPECT_FALSE(fs::exists(out));
   EXPECT_EQ(count_entries(), before + 1);  // only stderr.txt was added: no temporary left behind
   // A slice cannot be sliced again.
@@ -322,6 +343,97 @@ TEST_F(TpCli, FolderCheckpointsAreSlicedShardByShard) {
   // No hidden slice folder left beside the output.
   for (const auto& de : fs::directory_iterator(dir_))
     EXPECT_EQ(de.path().filename().string().find(".c.tp-slice"), std::string::npos) << de.path();
+}
+
+// A sliced folder: its index's total_size is the slice's; inspect, verify
+// and --json name each file's slice; progress runs over the whole job (slice
+// then compress) from its first byte.
+TEST_F(TpCli, SlicedFoldersSayWhatTheyHoldAndCountTheirBytes) {
+  CSFMOE_SEEDED(seed);
+  rng_.seed(seed);
+  const fs::path in = dir_ / "ckpt";
+  fs::create_directories(in);
+  const std::uint64_t n = 32 * (1 + rng_() % 3);  // w1 rows: halves split evenly for tp 2
+  const std::vector<Tensor> a = {
+      random_tensor("model.layers.0.mlp.experts.0.w2.weight", st::Dtype::U8, {64, 64}),
+      random_tensor("model.layers.0.mlp.experts.0.w2.weight_scale", st::Dtype::F8_E4M3, {64, 8})};
+  const std::vector<Tensor> b = {
+      random_tensor("model.layers.0.mlp.experts.0.w1.weight", st::Dtype::U8, {n, 32}),
+      random_tensor("model.layers.0.mlp.experts.0.w1.weight_scale", st::Dtype::F8_E4M3, {n, 4}),
+      random_tensor("model.norm.weight", st::Dtype::BF16, {16})};
+  const std::string sa = "model-00001-of-00002.safetensors", sb = "model-00002-of-00002.safetensors";
+  write(in / sa, a);
+  write(in / sb, b);
+  nlohmann::json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::json::object()}};
+  std::uint64_t source = 0;
+  for (const auto& [shard, ts] : {std::pair{sa, a}, std::pair{sb, b}})
+    for (const auto& t : ts) {
+      index["weight_map"][t.name] = shard;
+      source += t.bytes.size();
+    }
+  index["metadata"]["total_size"] = source;
+  { std::ofstream(in / "model.safetensors.index.json") << index.dump(2); }
+
+  // Progress through the library: one job, slice first, total fixed from the start.
+  std::vector<Progress> seen;
+  CompressOptions o;
+  o.tp = 2;
+  o.tp_rank = 1;
+  o.progress = [&](const Progress& p) { seen.push_back(p); };
+  const fs::path c = dir_ / "c", back = dir_ / "back";
+  compress_checkpoint(in, c, o);
+  ASSERT_FALSE(seen.empty());
+  EXPECT_NE(seen.front().current.find("(tp slice)"), std::string::npos) << seen.front().current;
+  EXPECT_EQ(seen.front().bytes_done, 0u) << "the bar starts before the first tensor is read";
+  for (std::size_t i = 0; i < seen.size(); ++i) {
+    EXPECT_EQ(seen[i].bytes_total, seen.front().bytes_total) << i << " " << seen[i].current;
+    if (i) EXPECT_GE(seen[i].bytes_done, seen[i - 1].bytes_done) << i << " " << seen[i].current;
+  }
+  EXPECT_EQ(seen.back().bytes_done, seen.back().bytes_total);
+
+  CliResult x = csf("decompress -q " + c.string() + " " + back.string(), dir_);
+  ASSERT_EQ(x.code, 0) << x.err;
+  std::uint64_t sliced = 0;
+  for (const auto& shard : {sa, sb})
+    for (const auto& [name, t] : read(back / shard)) sliced += t.bytes.size();
+  EXPECT_LT(sliced, source);
+  EXPECT_EQ(seen.back().bytes_total, source + sliced);
+  std::ifstream idx(back / "model.safetensors.index.json");
+  const auto got = nlohmann::json::parse(idx);
+  EXPECT_EQ(got["metadata"]["total_size"].get<std::uint64_t>(), sliced) << got.dump();
+  EXPECT_EQ(got["weight_map"], index["weight_map"]);
+
+  // inspect (container and native slice), inspect --json, verify: each file's slice.
+  for (const auto& folder : {c, back}) {
+    std::string out;
+    x = csf_out("inspect " + folder.string(), dir_, out);
+    ASSERT_EQ(x.code, 0) << x.err;
+    for (const auto& shard : {sa, sb})
+      EXPECT_NE(out.find(shard + ": tensor-parallel slice: rank 1 of tp 2"), std::string::npos) << out;
+    x = csf_out("inspect --json " + folder.string(), dir_, out);
+    ASSERT_EQ(x.code, 0) << x.err;
+    const auto j = nlohmann::json::parse(out);
+    ASSERT_EQ(j["tp_slices"].size(), 2u) << j["tp_slices"].dump();
+    for (const auto& s : j["tp_slices"]) {
+      EXPECT_EQ(s["tp"], 2);
+      EXPECT_EQ(s["rank"], 1);
+    }
+  }
+  std::string out;
+  x = csf_out("verify " + c.string(), dir_, out);
+  ASSERT_EQ(x.code, 0) << x.err;
+  for (const auto& shard : {sa, sb}) {
+    const auto at = out.find("OK " + shard);
+    ASSERT_NE(at, std::string::npos) << out;
+    EXPECT_NE(out.substr(at, out.find('\n', at) - at).find("rank 1 of tp 2"), std::string::npos) << out;
+  }
+  // A whole (unsliced) checkpoint says nothing of slices.
+  ASSERT_EQ(csf("compress -q " + in.string() + " " + (dir_ / "whole").string(), dir_).code, 0);
+  x = csf_out("inspect --json " + (dir_ / "whole").string(), dir_, out);
+  ASSERT_EQ(x.code, 0) << x.err;
+  EXPECT_TRUE(nlohmann::json::parse(out)["tp_slices"].empty());
+  x = csf_out("verify " + (dir_ / "whole").string(), dir_, out);
+  EXPECT_EQ(out.find("tensor-parallel"), std::string::npos) << out;
 }
 
 }  // namespace

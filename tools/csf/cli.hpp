@@ -92,6 +92,10 @@ nlohmann::json report_to_json(const CheckpointReport& report);
 // (one shared by all layers: the largest layer's native scales).
 void print_device_report(std::FILE* out, const CheckpointReport& report);
 nlohmann::json device_report_json(const CheckpointReport& report);
+// "tensor-parallel slice: rank R of tp N ..." for a file that holds one.
+std::string tp_slice_text(const TpSliceInfo& t);
+// One line per file of the report that holds a tensor-parallel slice.
+void print_tp_slices(std::FILE* out, const CheckpointReport& report);
 // One line per tensor kept native, with the reason.
 void print_kept_native(std::FILE* out, const CheckpointReport& report);
 

@@ -56,6 +56,7 @@ int run_inspect(const InspectArgs& a) {
     fmt::print("{}\n", j.dump(2));
   } else {
     print_report_table(stdout, report);
+    print_tp_slices(stdout, report);
     if (a.device) print_device_report(stdout, report);
     if (holds_container(a.path))
       fmt::print(
@@ -95,7 +96,7 @@ int run_compress(const CompressArgs& a) {
   if (!a.quiet) {
     print_kept_native(stdout, report);
     print_report_table(stdout, report);
-    if (a.tp > 1) fmt::print("tensor-parallel slice: tp {} rank {}\n", a.tp, a.tp_rank);
+    if (a.tp > 1) fmt::print("{}\n", tp_slice_text(TpSliceInfo{a.out.filename().string(), a.tp, a.tp_rank}));
     const std::uint64_t before = disk_bytes(a.in), after = disk_bytes(a.out);
     fmt::print("wrote {}: {} bytes ({}) from {} bytes ({}) on disk, {:.2f}%\n", a.out.string(), after,
                human_bytes(after), before, human_bytes(before),
@@ -135,15 +136,18 @@ int run_verify(const InspectArgs& a) {
     if (t.reason == kNotAContainer) skipped.insert(t.file);
     if (t.reason == kB12xNoChecksum) b12x.insert(t.file);
   }
+  std::map<std::string, std::string> slices;
+  for (const auto& t : report.tp_slices) slices[t.file] = "; " + tp_slice_text(t);
   if (files.empty()) fmt::print("OK {} (no tensors)\n", a.path.string());
   for (const auto& f : files) {
     if (skipped.count(f))
       fmt::print("SKIPPED {} ({})\n", f, kNotAContainer);
     else if (b12x.count(f))
-      fmt::print("OK {} ({} b12x plane pairs checked and decoded; the file holds no checksum)\n", f,
-                 checked[f]);
+      fmt::print("OK {} ({} b12x plane pairs checked and decoded; the file holds no checksum{})\n", f,
+                 checked[f], slices[f]);
     else
-      fmt::print("OK {} ({} CSF tensors decoded, every tensor's CRC32 matched)\n", f, checked[f]);
+      fmt::print("OK {} ({} CSF tensors decoded, every tensor's CRC32 matched{})\n", f, checked[f],
+                 slices[f]);
   }
   return 0;
 }

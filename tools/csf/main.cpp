@@ -76,15 +76,25 @@ Exit codes: 0 success; 1 error (bad or corrupt input, I/O; nothing is written); 
           "loaders read, still restored byte for byte by csf decompress)")
       ->check(CLI::IsMember({"csfmoe", "b12x"}))
       ->capture_default_str();
-  c_compress->add_flag("--no-mxfp4-slab", compress.no_mxfp4_slab,
-                       "csfmoe schema: store MXFP4 scales as b12x's planes (container version 2) even where "
-                       "their slab form (version 3: a base per 16 rows, unpadded selectors) is smaller");
+  c_compress->add_flag(
+      "--no-mxfp4-slab", compress.no_mxfp4_slab,
+      "csfmoe schema only: store MXFP4 scales as b12x's planes (container version 2) even where "
+      "their slab form (version 3: a base per 16 rows, unpadded selectors) is smaller");
   auto* rank_option = c_compress->add_option("--rank", compress.tp_rank,
                                              "tensor-parallel rank in [0, --tp); required with --tp");
 
   CompressArgs decompress;
-  auto* c_decompress = app.add_subcommand("decompress", "Restore the original checkpoint byte for byte");
-  c_decompress->add_option("in", decompress.in, "compressed file or folder")->required();
+  auto* c_decompress = app.add_subcommand(
+      "decompress",
+      "Restore the original checkpoint byte for byte: csf containers (--schema b12x ones too), files and "
+      "folders written by b12x / vLLM (their CSF planes decoded to native scales; b12x's manifest export "
+      "becomes a Hugging Face folder), and tensor-parallel containers (compress --tp N --rank R), which "
+      "restore to that rank's native slice");
+  c_decompress
+      ->add_option(
+          "in", decompress.in,
+          "compressed file or folder: a csf container, a b12x / vLLM file or folder, or a TP container")
+      ->required();
   c_decompress->add_option("out", decompress.out, "output file or folder (must not exist)")->required();
   c_decompress->add_option("--threads", decompress.threads, "worker threads (0: all cores)");
   c_decompress->add_flag("--quiet,-q", decompress.quiet, "no progress");
@@ -123,7 +133,13 @@ Exit codes: 0 success; 1 error (bad or corrupt input, I/O; nothing is written); 
   for (const csfmoe::MoeGeometry* g : csfmoe::moe_geometries()) geometries.emplace_back(g->name);
   c_synth->add_option("--model", synth.model, "geometry")->required()->check(CLI::IsMember(geometries));
   c_synth->add_option("--format", synth.format, "nvfp4 or mxfp4")->required()->check(formats);
-  c_synth->add_option("--experts", synth.experts, "experts per layer (default: the model's)")
+  std::string expert_limits;
+  for (const csfmoe::MoeGeometry* g : csfmoe::moe_geometries())
+    expert_limits += fmt::format("{}{} {}", expert_limits.empty() ? "" : ", ", g->name, g->experts);
+  c_synth
+      ->add_option(
+          "--experts", synth.experts,
+          "experts per layer, 1 up to the model's own count, which is the default (" + expert_limits + ")")
       ->check(CLI::Range(1u, 65536u));
   c_synth->add_option("--layers", synth.layers, "MoE layers")
       ->check(CLI::Range(1u, 4096u))
@@ -159,6 +175,10 @@ Exit codes: 0 success; 1 error (bad or corrupt input, I/O; nothing is written); 
     if (c_compress->parsed() && compress.tp > 1 && compress.tp_rank >= compress.tp)
       throw UsageError(fmt::format("--rank {} is outside --tp {}'s ranks 0..{}", compress.tp_rank,
                                    compress.tp, compress.tp - 1));
+    if (c_compress->parsed() && compress.schema == "b12x" && compress.no_mxfp4_slab)
+      throw UsageError(
+          "--no-mxfp4-slab chooses how the csfmoe schema stores MXFP4 scales; --schema b12x always writes "
+          "b12x's planes (never the slab form), so drop one of the two");
     if (c_inspect->parsed()) return run_inspect(inspect);
     if (c_compress->parsed()) return run_compress(compress);
     if (c_decompress->parsed()) return run_decompress(decompress);

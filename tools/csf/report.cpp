@@ -131,6 +131,7 @@ CheckpointReport merge_reports(const std::vector<CheckpointReport>& reports,
     m.scale_stored_bytes += r.scale_stored_bytes;
     m.file_source_bytes += r.file_source_bytes;
     m.file_stored_bytes += r.file_stored_bytes;
+    m.tp_slices.insert(m.tp_slices.end(), r.tp_slices.begin(), r.tp_slices.end());
   }
   return m;
 }
@@ -216,6 +217,15 @@ void print_report_table(std::FILE* out, const CheckpointReport& r) {
              "exceptions; csf --help explains every column\n");
 }
 
+std::string tp_slice_text(const TpSliceInfo& t) {
+  return fmt::format("tensor-parallel slice: rank {} of tp {} (MoE expert projections cut along N)", t.rank,
+                     t.tp);
+}
+
+void print_tp_slices(std::FILE* out, const CheckpointReport& r) {
+  for (const auto& t : r.tp_slices) fmt::print(out, "{}: {}\n", t.file, tp_slice_text(t));
+}
+
 void print_kept_native(std::FILE* out, const CheckpointReport& r) {
   for (const auto& t : r.tensors)
     if (t.action == TensorAction::native_kept)
@@ -274,7 +284,13 @@ nlohmann::json report_to_json(const CheckpointReport& r) {
   totals["csf_tensors"] = counts[static_cast<int>(TensorAction::csf)];
   totals["native_kept_tensors"] = counts[static_cast<int>(TensorAction::native_kept)];
   totals["passthrough_tensors"] = counts[static_cast<int>(TensorAction::passthrough)];
-  return {{"path", r.path.string()}, {"tensors", tensors}, {"layers", layers}, {"totals", totals}};
+  nlohmann::json slices = nlohmann::json::array();
+  for (const auto& t : r.tp_slices) slices.push_back({{"file", t.file}, {"tp", t.tp}, {"rank", t.rank}});
+  return {{"path", r.path.string()},
+          {"tensors", tensors},
+          {"layers", layers},
+          {"totals", totals},
+          {"tp_slices", slices}};
 }
 
 namespace {
@@ -283,9 +299,24 @@ struct DeviceTotals {
   std::vector<std::pair<std::string, ResidentBytes>> layers;  // block scales per MoE layer
   std::vector<std::uint64_t> layers_b12x;                     // b12x's resident form of the same
   ResidentBytes scales, model;                                // all scales; all tensors
-  std::uint64_t scales_b12x = 0;
+  std::uint64_t scales_b12x = 0, model_b12x = 0;
   std::uint64_t scratch = 0;  // largest layer's native scales
 };
+
+// A total (all scales, or the model) with the expand scratch that CSF scales
+// need beside them: what is saved is what is left after it, and may be negative.
+struct WithScratch {
+  std::uint64_t native = 0, csf = 0, b12x = 0;  // csf and b12x include the scratch
+  std::int64_t net_saved() const { return std::int64_t(native) - std::int64_t(csf); }
+  double ratio() const { return native ? double(csf) / double(native) : 0.0; }
+};
+WithScratch with_scratch(const ResidentBytes& b, std::uint64_t b12x, std::uint64_t scratch) {
+  return {b.native, b.csf + scratch, b12x + scratch};
+}
+
+std::string signed_bytes(std::int64_t v) {
+  return v < 0 ? "-" + human_bytes(std::uint64_t(-v)) : human_bytes(std::uint64_t(v));
+}
 
 // Device bytes of a tensor: the resident CSF form (not the stored one) for CSF tensors.
 std::uint64_t resident_of(const TensorReport& t) {
@@ -311,7 +342,10 @@ DeviceTotals device_totals(const CheckpointReport& r) {
     d.scales_b12x += b12x;
     if (!key.empty()) d.scratch = std::max(d.scratch, layer.native);
   }
-  for (const auto& t : r.tensors) d.model += ResidentBytes{source_bytes(t), resident_of(t)};
+  for (const auto& t : r.tensors) {
+    d.model += ResidentBytes{source_bytes(t), resident_of(t)};
+    d.model_b12x += is_scale(t) ? b12x_resident_of(t) : stored_bytes(t);
+  }
   return d;
 }
 
@@ -319,24 +353,58 @@ nlohmann::json resident_json(const ResidentBytes& b) {
   return {{"native_bytes", b.native}, {"csf_bytes", b.csf}, {"saved_bytes", b.saved()}, {"ratio", b.ratio()}};
 }
 
+// A total with the scratch: csf_bytes / b12x_bytes without it, *_with_scratch
+// with it; saved_bytes and ratio count the scratch (net_saved_bytes < 0 when
+// CSF plus the scratch exceed native).
+nlohmann::json total_json(const ResidentBytes& b, std::uint64_t b12x, std::uint64_t scratch) {
+  const WithScratch w = with_scratch(b, b12x, scratch);
+  return {{"native_bytes", b.native},
+          {"csf_bytes", b.csf},
+          {"b12x_bytes", b12x},
+          {"expand_scratch_bytes", scratch},
+          {"csf_with_scratch_bytes", w.csf},
+          {"b12x_with_scratch_bytes", w.b12x},
+          {"net_saved_bytes", w.net_saved()},
+          {"saved_bytes", w.net_saved() > 0 ? std::uint64_t(w.net_saved()) : std::uint64_t{0}},
+          {"ratio", w.ratio()}};
+}
+
 }  // namespace
 
 void print_device_report(std::FILE* out, const CheckpointReport& r) {
   const DeviceTotals d = device_totals(r);
-  fmt::print(out, "\nresident device memory (block scales native -> CSF; b12x: what b12x keeps resident)\n");
+  fmt::print(out,
+             "\nresident device memory (block scales native -> CSF as csfmoe keeps it; b12x: what b12x keeps "
+             "resident)\n");
   fmt::print(out, "{:<48} {:>12} {:>12} {:>12} {:>12} {:>8}\n", "layer", "native", "csf", "b12x", "saved",
              "ratio");
-  auto row = [&](const std::string& name, const ResidentBytes& b, std::optional<std::uint64_t> b12x) {
-    fmt::print(out, "{:<48} {:>12} {:>12} {:>12} {:>12} {:>8}\n", elide(name, 48), human_bytes(b.native),
-               human_bytes(b.csf), b12x ? human_bytes(*b12x) : std::string("-"), human_bytes(b.saved()),
-               percent(b.ratio()));
+  auto row = [&](const std::string& name, std::uint64_t native, std::uint64_t csf, std::uint64_t b12x,
+                 std::int64_t saved, double ratio) {
+    fmt::print(out, "{:<48} {:>12} {:>12} {:>12} {:>12} {:>8}\n", elide(name, 48), human_bytes(native),
+               human_bytes(csf), human_bytes(b12x), signed_bytes(saved), percent(ratio));
   };
-  for (std::size_t i = 0; i < d.layers.size(); ++i)
-    row(d.layers[i].first, d.layers[i].second, d.layers_b12x[i]);
-  row("all block scales", d.scales, d.scales_b12x);
-  row("model (all tensors)", d.model, std::nullopt);
-  fmt::print(out, "expand scratch shared by all layers (largest layer's native scales): {}\n",
-             human_bytes(d.scratch));
+  for (std::size_t i = 0; i < d.layers.size(); ++i) {
+    const ResidentBytes& b = d.layers[i].second;
+    row(d.layers[i].first, b.native, b.csf, d.layers_b12x[i], std::int64_t(b.native) - std::int64_t(b.csf),
+        b.ratio());
+  }
+  fmt::print(out, "{:<48} {:>12} {:>12} {:>12}\n", "expand scratch (largest layer's native scales)", "",
+             "+" + human_bytes(d.scratch), "+" + human_bytes(d.scratch));
+  const WithScratch scales = with_scratch(d.scales, d.scales_b12x, d.scratch),
+                    model = with_scratch(d.model, d.model_b12x, d.scratch);
+  row("all block scales, with the scratch", scales.native, scales.csf, scales.b12x, scales.net_saved(),
+      scales.ratio());
+  row("model (all tensors), with the scratch", model.native, model.csf, model.b12x, model.net_saved(),
+      model.ratio());
+  fmt::print(out,
+             "expand scratch: one buffer shared by all layers, for the expanded and routed modes (stage_read "
+             "needs none, but keeps an exception index)\n");
+  if (scales.net_saved() < 0)
+    fmt::print(
+        out,
+        "CSF scales plus the expand scratch exceed the native scales by {} (the scratch is one layer's "
+        "native scales: it pays off over more layers; stage_read needs none)\n",
+        human_bytes(std::uint64_t(-scales.net_saved())));
 }
 
 nlohmann::json device_report_json(const CheckpointReport& r) {
@@ -348,11 +416,9 @@ nlohmann::json device_report_json(const CheckpointReport& r) {
     j["b12x_bytes"] = d.layers_b12x[i];
     layers.push_back(std::move(j));
   }
-  auto scales = resident_json(d.scales);
-  scales["b12x_bytes"] = d.scales_b12x;
   return {{"layers", layers},
-          {"scales", scales},
-          {"model", resident_json(d.model)},
+          {"scales", total_json(d.scales, d.scales_b12x, d.scratch)},
+          {"model", total_json(d.model, d.model_b12x, d.scratch)},
           {"expand_scratch_bytes", d.scratch}};
 }
 

@@ -117,8 +117,8 @@ int run_synth(const SynthArgs& a) {
   };
   write_safetensors(a.out, tensors, meta);
   if (!a.quiet)
-    fmt::print("wrote {}: {} {} layers x {} experts (H={}, N={})\n", a.out.string(), g.name, a.layers, E, H,
-               N);
+    fmt::print("wrote {}: {} {} layer{} x {} expert{} (H={}, N={})\n", a.out.string(), g.name, a.layers,
+               a.layers == 1 ? "" : "s", E, E == 1 ? "" : "s", H, N);
   return 0;
 }
 

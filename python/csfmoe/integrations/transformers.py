@@ -36,8 +36,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .. import _csfmoe
 from .. import moe as _moe
-from .._errors import InvalidArgument, Unsupported
+from .._errors import CudaError, Error, InvalidArgument, Unsupported
 from ..quant import dequantize, quantize
 
 __all__ = [
@@ -189,6 +190,10 @@ def _fp4_tensors(name: str, layer: dict, format: str, e: int, h: int, n: int):
                                   f"block's experts (E={e}, H={h}, N={n}), got {list(t.shape)}")
         if key.endswith("_global"):
             t = t.to(torch.float32)
+            bad = (~torch.isfinite(t)).nonzero()
+            if len(bad):
+                raise InvalidArgument(f"patch_model: quantized[{name!r}][{key!r}][{int(bad[0])}] is "
+                                      f"{float(t[int(bad[0])])}: global scales must be finite")
         elif t.element_size() != 1:
             raise InvalidArgument(f"patch_model: quantized[{name!r}][{key!r}]: expected 1-byte elements, got "
                                   f"{t.dtype}")
@@ -197,6 +202,36 @@ def _fp4_tensors(name: str, layer: dict, format: str, e: int, h: int, n: int):
         out[key] = t.detach().cpu().contiguous()
     return ({"packed": out["w13"], "scales": out["w13_scale"], "global": out["w13_global"]},
             {"packed": out["w2"], "scales": out["w2_scale"], "global": out["w2_global"]})
+
+
+def _check_device(where: str, device: torch.device) -> None:
+    """A CUDA device the csfmoe kernels can use, else the package's error
+    (not torch's, which surfaces later and names no layer)."""
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise Unsupported(f"{where}: device {device}: csfmoe runs experts on 'cpu' or 'cuda'")
+    if not _csfmoe.has_cuda:
+        raise Unsupported(f"{where}: device {device}: this csfmoe build has no CUDA kernels (built without nvcc); "
+                          f"use device='cpu' or a CUDA build of csfmoe")
+    if not torch.cuda.is_available():
+        raise CudaError(f"{where}: device {device}: torch finds no CUDA device (no GPU or no driver); "
+                        f"use device='cpu'")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise CudaError(f"{where}: device {device}: only {torch.cuda.device_count()} CUDA device(s) present")
+
+
+def _quantize_named(name: str, what: str, w: torch.Tensor, format: str) -> dict:
+    """quantize() with the layer, the tensor and the expert in its errors."""
+    try:
+        return quantize(w, format)
+    except Error as err:
+        where = f"patch_model: {name}.{what}"
+        if w.is_floating_point():
+            bad = (~torch.isfinite(w.detach())).flatten(1).any(1).nonzero()
+            if len(bad):
+                where += f" (expert {int(bad[0])})"
+        raise type(err)(f"{where}: {err}") from None
 
 
 def _check_kernels(name: str, format: str, scales: str, w13_shape, topk: int, max_tokens: int,
@@ -232,7 +267,8 @@ class CsfExperts(nn.Module):
                  scales: str = "csf", device: Optional[torch.device] = None, b13: Optional[torch.Tensor] = None,
                  b2: Optional[torch.Tensor] = None, swiglu: str = "silu",
                  clamp: Optional[Tuple[float, float]] = None, max_tokens: int = 4096, name: str = "experts",
-                 scratch=None, scales_expanded: bool = False, quantized: Optional[dict] = None):
+                 scratch=None, scales_expanded: bool = False, quantized: Optional[dict] = None,
+                 quantized_key: Optional[str] = None):
         super().__init__()
         if format not in FORMATS:
             raise InvalidArgument(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
@@ -243,13 +279,15 @@ class CsfExperts(nn.Module):
         device = torch.device(device) if device is not None else w13.device
         compression = "csf" if scales == "csf" else "none"
         _check_kernels(name, format, scales, w13.shape, topk, max_tokens, device, swiglu)
+        _check_device(name, device)
         self.format, self.scales, self.swiglu, self.clamp = format, scales, swiglu, clamp
         self.num_experts, self.hidden_dim, self.intermediate_dim, self.top_k = e, h, n, topk
         self.name, self.max_tokens = name, max_tokens
         if quantized is None:
-            q13, q2 = quantize(w13, format), quantize(w2, format)
+            q13, q2 = _quantize_named(name, "gate_up_proj", w13, format), _quantize_named(name, "down_proj", w2, format)
         else:
-            q13, q2 = _fp4_tensors(name, quantized, format, e, h, n)
+            # Errors name the entry as the caller keyed it (patch_model: the block's name).
+            q13, q2 = _fp4_tensors(name if quantized_key is None else quantized_key, quantized, format, e, h, n)
         self.layer = _moe.PreparedExperts(q13["packed"].to(device), q2["packed"].to(device),
                                           q13["scales"].to(device), q2["scales"].to(device),
                                           q13["global"].to(device), q2["global"].to(device), format, "w13", topk,
@@ -462,8 +500,15 @@ def patch_model(model: nn.Module, format: str = "nvfp4", scales: str = "csf",
     Raises Unsupported when the model has no supported block (naming the MoE
     classes it found), when a block's experts are not transformers' fused
     3-D parameters, and for gpt-oss on CUDA; InvalidArgument for a model
-    already patched, bad options, and expert shapes the kernels cannot run.
-    Nothing changes when it raises."""
+    already patched, bad options, expert shapes the kernels cannot run,
+    non-finite expert weights (naming the block, the tensor and the expert)
+    and bad `quantized` tensors (naming the key); for device="cuda" where no
+    CUDA device can be used, Unsupported (a build without CUDA kernels) or
+    CudaError (no GPU). Nothing changes when it raises.
+
+    While patched, model.save_pretrained raises Unsupported: transformers
+    would write a checkpoint without the routed experts (CsfExperts holds no
+    parameters). unpatch_model restores it."""
     if format not in FORMATS:
         raise InvalidArgument(f"patch_model: format must be one of {', '.join(FORMATS)}, got {format!r}")
     if scales not in SCALES:
@@ -503,6 +548,8 @@ def patch_model(model: nn.Module, format: str = "nvfp4", scales: str = "csf",
                                   f"geometry (they share a scale scratch); found {sorted(map(str, shapes))}")
     for name, block, kind, (w13, w2, b13, b2, clamp), topk, dev in found:
         _check_kernels(f"{name}.experts", format, scales, w13.shape, topk, max_tokens, dev, kind.swiglu)
+    for name, _, _, _, _, dev in found:
+        _check_device(f"patch_model: {name}.experts", dev)
     # One block at a time (its original offloaded before the next is
     # quantized: the peak stays one layer above the model), undone on failure.
     swaps, scratches, chain = [], {}, []
@@ -514,7 +561,7 @@ def patch_model(model: nn.Module, format: str = "nvfp4", scales: str = "csf",
             key = (tuple(w13.shape), tuple(w2.shape), str(dev))
             new = CsfExperts(w13, w2, topk, format, scales, dev, b13, b2, kind.swiglu, clamp, max_tokens,
                              name=f"{name}.experts", scratch=scratches.get(key) if shares else None,
-                             scales_expanded=expand_ahead, quantized=quantized.get(name))
+                             scales_expanded=expand_ahead, quantized=quantized.get(name), quantized_key=name)
             if shares:
                 scratches.setdefault(key, new.layer.scratch)
             chain.append(new)
@@ -535,7 +582,23 @@ def patch_model(model: nn.Module, format: str = "nvfp4", scales: str = "csf",
         raise
     dev = chain[0].device
     setattr(model, _PATCH_ATTR, _PatchRecord(swaps, format, scales, dev))
+    if callable(getattr(model, "save_pretrained", None)):
+        model.save_pretrained = _refuse_save_pretrained(type(model).__name__)
     return model
+
+
+def _refuse_save_pretrained(cls: str):
+    # transformers saves parameters; CsfExperts holds none, so the file would
+    # lack the routed experts and a reload would initialize them at random.
+    def save_pretrained(*args, **kwargs):
+        raise Unsupported(
+            f"save_pretrained: this {cls} is patched by csfmoe: its routed experts are csfmoe FP4 layers, which "
+            f"transformers does not save (the checkpoint would lack them and a reload would fill them with random "
+            f"values). Call csfmoe.integrations.transformers.unpatch_model(model) first to save the original "
+            f"weights, or load dequantized_expert_weights(model) into an unpatched copy and save that")
+
+    save_pretrained._csfmoe_guard = True
+    return save_pretrained
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
@@ -554,6 +617,8 @@ def unpatch_model(model: nn.Module) -> nn.Module:
             swap.original.to(swap.original_device)
         swap.block.experts = swap.original
     delattr(model, _PATCH_ATTR)
+    if getattr(model.__dict__.get("save_pretrained"), "_csfmoe_guard", False):
+        del model.__dict__["save_pretrained"]
     return model
 
 
