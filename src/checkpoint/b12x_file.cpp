@@ -214,11 +214,6 @@ nlohmann::json read_json(const std::filesystem::path& folder, const char* name) 
     throw FormatError(
         fmt::format("{}: missing (b12x's export needs manifest.json and build-contract.json)", p.string()));
   st::resolve_under(folder, name, p.string());
-  if (!std::filesystem::is_regular_file(std::filesystem::status(p, ec)))
-    throw FormatError(
-        fmt::format("{}: not a regular file (b12x's export needs manifest.json and build-contract.json as "
-                    "plain JSON files)",
-                    p.string()));
   std::string text;
   {
     std::FILE* f = std::fopen(p.c_str(), "rb");

@@ -695,7 +695,7 @@ TEST(ForeignB12x, ManifestExportReadsVerifiesAndDecompressesToAHuggingFaceFolder
     ADD_FAILURE() << "a FIFO contract accepted";
   } catch (const FormatError& e) {
     const std::string m = e.what();
-    EXPECT_NE(m.find("build-contract.json: not a regular file"), std::string::npos) << m;
+    EXPECT_NE(m.find("'build-contract.json' is not a regular file"), std::string::npos) << m;
     EXPECT_EQ(m.find("missing"), std::string::npos) << m;
   }
 }
