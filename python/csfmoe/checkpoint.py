@@ -55,7 +55,8 @@ def compress_checkpoint(src, dst, layout: str = "", threads: int = 0, schema: st
     (scale source bytes, scale stored bytes). layout "" takes each file's
     csfmoe.scale_layout tag (else row_major); a layout that contradicts the
     tag is an error. schema "b12x" writes b12x / vLLM's plane tensors for
-    every per-expert scale (docs/container-format.md); tp / rank store one
+    every per-expert scale, stacked [E, R, C] experts split per expert first
+    (docs/container-format.md); tp / rank store one
     tensor-parallel slice (src may then be compressed already). mxfp4_slab
     False keeps MXFP4 scales as b12x's planes where the slab form is smaller.
     Raises FileMissing (a FileNotFoundError and IoError) when src does not

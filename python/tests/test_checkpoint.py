@@ -608,3 +608,76 @@ def test_compress_refusals_speak_of_arguments_and_say_what_to_do(gen, tmp_path):
     b12x_file.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
     assert not ck.is_csf_container(b12x_file)
     refused(lambda: ck.compress_checkpoint(b12x_file, out), "written by b12x / vLLM", "decompress it first")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("e", [1, 3])
+@pytest.mark.parametrize("folder", [False, True])
+def test_b12x_schema_splits_stacked_experts(gen, tmp_path, fmt, e, folder):
+    """schema='b12x' of stacked [E, R, C] tensors (csf synth's names): stored
+    per expert under b12x's names, fused gate/up rows in [gate; up] order;
+    what comes back is each expert's slice of the stacked input, byte for byte."""
+    pre, h, n = "model.layers.0.mlp.experts", 256, 128
+    if fmt == "nvfp4":
+        src_t = {f"{pre}.w13.weight": torch.randint(0, 256, (e, 2 * n, h // 2), generator=gen, dtype=torch.uint8),
+                 f"{pre}.w13.weight_scale": realistic_scales(gen, (e, 2 * n, h // 16)).view(torch.float8_e4m3fn),
+                 f"{pre}.w13.weight_scale_2": torch.rand(e, generator=gen) + 0.5,
+                 f"{pre}.w2.weight": torch.randint(0, 256, (e, h, n // 2), generator=gen, dtype=torch.uint8),
+                 f"{pre}.w2.weight_scale": realistic_scales(gen, (e, h, n // 16)).view(torch.float8_e4m3fn),
+                 f"{pre}.w2.weight_scale_2": torch.rand(e, generator=gen) + 0.5}
+        fused = {"w13.weight": ".weight", "w13.weight_scale": ".weight_scale", "w13.weight_scale_2": ".weight_scale_2"}
+        down = {"w2.weight": ".weight", "w2.weight_scale": ".weight_scale", "w2.weight_scale_2": ".weight_scale_2"}
+        gate, up, dn = "gate_proj", "up_proj", "down_proj"
+    else:
+        src_t = {f"{pre}.gate_up_proj_blocks": torch.randint(0, 256, (e, 2 * n, h // 32, 16), generator=gen,
+                                                              dtype=torch.uint8),
+                 f"{pre}.gate_up_proj_scales": torch.randint(118, 130, (e, 2 * n, h // 32), generator=gen,
+                                                              dtype=torch.uint8),
+                 f"{pre}.down_proj_blocks": torch.randint(0, 256, (e, h, n // 32, 16), generator=gen, dtype=torch.uint8),
+                 f"{pre}.down_proj_scales": torch.randint(118, 130, (e, h, n // 32), generator=gen, dtype=torch.uint8)}
+        fused = {"gate_up_proj_blocks": ".weight", "gate_up_proj_scales": ".weight_scale"}
+        down = {"down_proj_blocks": ".weight", "down_proj_scales": ".weight_scale"}
+        gate, up, dn = "w1", "w3", "w2"
+    want = {}
+    for x in range(e):
+        for stacked_name, leaf in fused.items():
+            s = src_t[f"{pre}.{stacked_name}"][x]
+            if s.dim() == 0:  # per-expert global scale: shared by gate and up
+                want[f"{pre}.{x}.{gate}{leaf}"] = want[f"{pre}.{x}.{up}{leaf}"] = s
+            else:
+                want[f"{pre}.{x}.{gate}{leaf}"], want[f"{pre}.{x}.{up}{leaf}"] = s[:n], s[n:]
+        for stacked_name, leaf in down.items():
+            want[f"{pre}.{x}.{dn}{leaf}"] = src_t[f"{pre}.{stacked_name}"][x]
+    src = tmp_path / "in"
+    if folder:
+        src.mkdir()
+        write_safetensors(src / "model.safetensors", src_t)
+    else:
+        src = tmp_path / "in.safetensors"
+        write_safetensors(src, src_t)
+    dst = tmp_path / "b12x"
+    csfmoe.checkpoint.compress_checkpoint(src, dst, schema="b12x")
+    raw = read_raw(dst / "model.safetensors" if folder else dst)
+    assert sum(k.endswith(f".{fmt}_csf_fixed") for k in raw) == 3 * e
+    assert not any(".w13." in k or "gate_up_proj" in k for k in raw)
+    got = csfmoe.checkpoint.load_checkpoint(dst, decode=True)
+    assert set(got) == set(want)
+    for name, w in want.items():
+        g = got[name]
+        assert g.reshape(-1).view(torch.uint8).equal(w.contiguous().reshape(-1).view(torch.uint8)), name
+    # Sorted entries: only the input and the output, no hidden split copy left.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([src.name, dst.name])
+
+
+def test_b12x_schema_refuses_stacked_experts_it_cannot_split(gen, tmp_path):
+    """w13 rows that do not halve into gate and up: InvalidArgument naming
+    the file, the tensor and the reason; nothing written."""
+    pre = "model.layers.0.mlp.experts"
+    src, out = tmp_path / "odd.safetensors", tmp_path / "out.safetensors"
+    write_safetensors(src, {f"{pre}.w13.weight": torch.zeros(2, 33, 128, dtype=torch.uint8),
+                            f"{pre}.w13.weight_scale": realistic_scales(gen, (2, 33, 16)).view(torch.float8_e4m3fn)})
+    with pytest.raises(csfmoe.InvalidArgument) as e:
+        csfmoe.checkpoint.compress_checkpoint(src, out, schema="b12x")
+    for w in ("odd.safetensors", f"{pre}.w13.weight", "33 rows do not split into gate and up halves"):
+        assert w in str(e.value), str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.safetensors"]

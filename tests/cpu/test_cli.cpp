@@ -1070,9 +1070,26 @@ TEST_F(CliTest, MessagesSayWhatToDoNext) {
   EXPECT_EQ(r.err.rfind("csf: usage error: ", 0), 0u) << r.err;
   EXPECT_NE(r.err.find("--schema b12x always writes b12x's planes"), std::string::npos) << r.err;
   EXPECT_TRUE(out_entries().empty());
-  // Stacked scales in the b12x schema: refused, naming the tensor and the schema that takes them.
-  r = csf({"compress", src.string(), out, "--schema", "b12x"});
-  expect_clean_failure(r, {"model.layers.0.mlp.experts.w13.weight_scale", "stacked", "csfmoe schema"});
+  // Stacked scales that cannot be split per expert for the b12x schema (w13
+  // rows that do not halve into gate and up): refused naming file, tensor, reason.
+  const auto odd = write(
+      "odd.safetensors",
+      file_bytes({{"model.layers.0.mlp.experts.w13.weight", "U8", {2, 33, 128}, Bytes(2 * 33 * 128, 0x22)},
+                  {"model.layers.0.mlp.experts.w13.weight_scale",
+                   "F8_E4M3",
+                   {2, 33, 16},
+                   Bytes(2 * 33 * 16, 0x38)}}));
+  r = csf({"compress", odd.string(), out, "--schema", "b12x"});
+  expect_clean_failure(r, {"odd.safetensors", "model.layers.0.mlp.experts.w13.weight",
+                           "cannot split it per expert", "33 rows do not split into gate and up halves"});
+  // Stacked scales that can be split: stored per expert, under b12x's names.
+  r = csf({"compress", "-q", src.string(), out, "--schema", "b12x"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  r = csf({"inspect", "--json", out});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("model.layers.0.mlp.experts.1.up_proj.weight_scale"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("experts.w13"), std::string::npos) << r.out;
+  fs::remove(out);
   // A container compressed again: what to do with it instead.
   ASSERT_EQ(csf({"compress", "-q", src.string(), (dir_ / "c.safetensors").string()}).code, 0);
   r = csf({"compress", (dir_ / "c.safetensors").string(), out});

@@ -72,8 +72,8 @@ Exit codes: 0 success; 1 error (bad or corrupt input, I/O; nothing is written); 
       ->add_option(
           "--schema", compress.schema,
           "csfmoe (default: every scale that pays, stored compactly) or b12x (b12x / vLLM's canonical "
-          "planes, X.nvfp4_csf_fixed + X.nvfp4_csf_exceptions, for every per-expert scale; a file those "
-          "loaders read, still restored byte for byte by csf decompress)")
+          "planes, X.nvfp4_csf_fixed + X.nvfp4_csf_exceptions, for every per-expert scale, stacked [E, R, C] "
+          "experts split per expert first; a file those loaders read, restored by csf decompress)")
       ->check(CLI::IsMember({"csfmoe", "b12x"}))
       ->capture_default_str();
   c_compress->add_flag(
