@@ -215,10 +215,8 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
       } else {
         if (b12x && cand->shape.experts != 1)
           throw InvalidArgument(fmt::format(
-              "{}: tensor '{}': stacked expert scales {}; the b12x schema stores one tensor per expert "
-              "projection (per-expert names such as ...experts.E.gate_proj.weight_scale), as b12x / vLLM "
-              "load them, and does not rename tensors; compress this file with the csfmoe schema (the "
-              "default), which stores stacked scales",
+              "{}: tensor '{}': stacked expert scales {} reached the b12x writer unsplit (the split per "
+              "expert runs before it; please report this)",
               label, t->name, shape_str(t->shape)));
         if (b12x && !planes_storable(cand->shape))
           throw InvalidArgument(fmt::format(
