@@ -13,7 +13,7 @@
 
 #include "csfmoe/codec.hpp"
 #include "csfmoe/formats.hpp"
-#include "csfmoe/parallel.hpp"
+#include "csfmoe/tensor_slice.hpp"
 
 namespace csfmoe {
 

@@ -19,7 +19,7 @@
 #include "csfmoe/checkpoint.hpp"
 #include "csfmoe/checkpoint_reader.hpp"
 #include "csfmoe/errors.hpp"
-#include "csfmoe/parallel.hpp"
+#include "csfmoe/tensor_slice.hpp"
 #include "csfmoe/safetensors.hpp"
 
 namespace csfmoe::detail {

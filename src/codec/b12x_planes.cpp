@@ -69,18 +69,6 @@ std::size_t csf_code_pair_byte(u32 r, u32 j) {
          csf::nvfp4_row_in_group(r) + j % 2;
 }
 
-// Byte j of v[x] is bit j of x.
-struct SpreadBits {
-  std::array<u64, 256> v{};
-  constexpr SpreadBits() {
-    for (unsigned x = 0; x < 256; ++x)
-      for (unsigned j = 0; j < 8; ++j)
-        if (x >> j & 1) v[x] |= u64{1} << (8 * j);
-  }
-};
-constexpr SpreadBits kSpreadBits{};
-static_assert(std::endian::native == std::endian::little, "kSpreadBits words are stored as bytes");
-
 // Rewrites validated planes in the encoder's form, decoding to the same
 // bytes: b12x's and vLLM's readers let a record win over its slot, so a
 // record may sit on a non-zero code or hold a byte of its row's window. The

@@ -29,16 +29,6 @@ inline u8x16 nv_chunk_bases(const u8* slab, u32 k) {
   return r;
 }
 
-struct SpreadTable {
-  std::array<u64, 256> v{};
-  constexpr SpreadTable() {
-    for (unsigned x = 0; x < 256; ++x)
-      for (unsigned j = 0; j < 8; ++j)
-        if (x >> j & 1) v[x] |= u64{1} << (8 * j);
-  }
-};
-constexpr SpreadTable kSpread{};
-
 // Records of row r (inside expert e) patched into a row-major or swizzled expert.
 template <bool Swizzled>
 inline void patch_row(const CsfTensor& t, u32 e, u32 r, u8* out, std::size_t out_cols) {
@@ -121,11 +111,11 @@ inline void mx_expand_row(const u8* mask, u8 base, u32 cols, u8* dst) {
   const u64 b = u64{base} * 0x0101010101010101ull;
   const u32 full = cols / 8;
   for (u32 k = 0; k < full; ++k) {
-    const u64 v = kSpread.v[mask[k]] + b;
+    const u64 v = kSpreadBits.v[mask[k]] + b;
     std::memcpy(dst + std::size_t{k} * 8, &v, 8);
   }
   if (cols % 8) {
-    const u64 v = kSpread.v[mask[full]] + b;
+    const u64 v = kSpreadBits.v[mask[full]] + b;
     std::memcpy(dst + std::size_t{full} * 8, &v, cols % 8);
   }
 }
@@ -172,8 +162,8 @@ void mx_decode_swizzled_band_fast(const CsfTensor& t, u32 e, u32 r0, u8* out) {
     u8* even_tile = tiles + std::size_t{2 * x} * 512;
     u8* odd_tile = even_tile + 512;
     for (u32 k = 0; k < 32; ++k) {
-      const u64 v0 = kSpread.v[m[k][x]] + b[k], v1 = kSpread.v[m[k + 32][x]] + b[k + 32];
-      const u64 v2 = kSpread.v[m[k + 64][x]] + b[k + 64], v3 = kSpread.v[m[k + 96][x]] + b[k + 96];
+      const u64 v0 = kSpreadBits.v[m[k][x]] + b[k], v1 = kSpreadBits.v[m[k + 32][x]] + b[k + 32];
+      const u64 v2 = kSpreadBits.v[m[k + 64][x]] + b[k + 64], v3 = kSpreadBits.v[m[k + 96][x]] + b[k + 96];
       // Little-endian: the low half of each row's 8 bytes is columns 8x..8x+3.
       const u64 even[2] = {(v0 & low) | (v1 << 32), (v2 & low) | (v3 << 32)};
       const u64 odd[2] = {(v0 >> 32) | (v1 & ~low), (v2 >> 32) | (v3 & ~low)};

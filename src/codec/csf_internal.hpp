@@ -5,6 +5,8 @@
 
 #include <fmt/format.h>
 
+#include <array>
+#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -29,6 +31,19 @@ using u8x16 = u8 __attribute__((vector_size(16)));
 using u8x8 = u8 __attribute__((vector_size(8)));
 using u16x8 = std::uint16_t __attribute__((vector_size(16)));
 using u32x4 = u32 __attribute__((vector_size(16)));
+
+// Byte j of kSpreadBits.v[x] is bit j of x: eight 1-bit selectors (MXFP4
+// offsets) to eight bytes in one add of the row's bases.
+struct SpreadBits {
+  std::array<u64, 256> v{};
+  constexpr SpreadBits() {
+    for (unsigned x = 0; x < 256; ++x)
+      for (unsigned j = 0; j < 8; ++j)
+        if (x >> j & 1) v[x] |= u64{1} << (8 * j);
+  }
+};
+inline constexpr SpreadBits kSpreadBits{};
+static_assert(std::endian::native == std::endian::little, "kSpreadBits words are stored as bytes");
 
 // ---------------------------------------------------------------------------
 // Fixed-part access by (expert, row, col); the layout is csf_layout.hpp's.
