@@ -69,8 +69,9 @@ struct MoeBindOptions {
   // rows per expert on average, the measured crossover (docs/moe-api.md).
   std::uint32_t grouped_min_tokens = 0;
   // The grouped kernel's token tile (routed rows per tile, the MMA's N):
-  // 16, 32, 64 or 128; 0 (the default) picks the smallest tile that holds
-  // the mean routed rows per expert, T * k / E.
+  // 16, 24, 32, 48, 64, 80, 96 or 128; 0 (the default) picks one from the
+  // mean routed rows per expert, T * k / E, by a measured table
+  // (src/moe/grouped_shape.hpp).
   std::uint32_t grouped_token_tile = 0;
   // The grouped kernel's work order: token tiles per raster group (each
   // group's row blocks run over its tiles, so activation rows and weights

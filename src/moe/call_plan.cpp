@@ -1,6 +1,7 @@
 #include "moe/call_plan.hpp"
 
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 
@@ -50,9 +51,8 @@ void validate(const MoeDecodeTuning& t) {
 void validate(const MoeBindOptions& o) {
   validate(o.tuning);
   if (o.grouped_token_tile != 0 && !moe_detail::grouped_token_tile_valid(o.grouped_token_tile))
-    throw InvalidArgument(
-        fmt::format("MoeBindOptions.grouped_token_tile is {}: allowed 0 (auto), 16, 32, 64 or 128",
-                    o.grouped_token_tile));
+    throw InvalidArgument(fmt::format("MoeBindOptions.grouped_token_tile is {}: allowed 0 (auto), {}",
+                                      o.grouped_token_tile, fmt::join(moe_detail::kGroupedTokenTiles, ", ")));
 }
 
 namespace moe_detail {

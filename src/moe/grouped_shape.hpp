@@ -13,7 +13,10 @@ namespace csfmoe::moe_detail {
 
 // Token tiles (routed rows per tile, the wgmma's N) the kernel is
 // instantiated for; dispatch (src/cuda/moe/dispatch.hpp) walks this list.
-inline constexpr int kGroupedTokenTiles[] = {16, 32, 64, 128};
+// Steps of 8 rows (the activation gather's and the swizzle's row group) let
+// a class sit just above the mean routed rows per expert, so most experts
+// take one tile with little padding.
+inline constexpr int kGroupedTokenTiles[] = {16, 24, 32, 48, 64, 80, 96, 128};
 constexpr int kGroupedTokenTileCount = sizeof(kGroupedTokenTiles) / sizeof(kGroupedTokenTiles[0]);
 constexpr std::uint32_t kGroupedMinTile = 16, kGroupedMaxTile = 128;
 

@@ -62,7 +62,7 @@ TEST(GroupedPlan, TokenTileFollowsTheMeasuredTable) {
   EXPECT_EQ(grouped_token_tile(2048, 8, 256, 0), 64u);
   EXPECT_EQ(grouped_token_tile(2049, 8, 256, 0), 128u);
   EXPECT_EQ(grouped_token_tile(8192, 8, 256, 32), 32u);  // a requested class wins
-  for (std::uint32_t bad : {1u, 8u, 48u, 256u}) EXPECT_FALSE(grouped_token_tile_valid(bad));
+  for (std::uint32_t bad : {1u, 8u, 40u, 136u, 256u}) EXPECT_FALSE(grouped_token_tile_valid(bad));
 }
 
 TEST(GroupedPlan, SharedMemoryFitsAndKeepsTheSwizzleAlignment) {
@@ -273,12 +273,14 @@ TEST(GroupedPlan, CallPlanChoosesTheGroupedKernelFromEightRowsPerExpert) {
   o.grouped_tile_group = 3;
   EXPECT_EQ(plan_call(native, h200(), 300, false, false, o).token_tile, 64u);
   EXPECT_EQ(plan_call(native, h200(), 300, false, false, o).tile_group, 3u);
-  o.grouped_token_tile = 48;
+  o.grouped_token_tile = 40;
   try {
     (void)plan_call(native, h200(), 300, false, false, o);
-    FAIL() << "tile 48 accepted";
+    FAIL() << "tile 40 accepted";
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("grouped_token_tile is 48"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("grouped_token_tile is 40: allowed 0 (auto), 16, 24, 32"),
+              std::string::npos)
+        << e.what();
   }
   EXPECT_THROW(validate(o), InvalidArgument);
   EXPECT_STREQ(to_string(MoeKernel::grouped), "grouped");

@@ -23,7 +23,18 @@ import shutil
 import subprocess
 import sys
 
-EXPECTED_INSTANTIATIONS = 2 * 2 * 2 * 4  # formats x dense scale kinds x projections x token tiles
+# Instantiations per token tile: formats x dense scale kinds x projections.
+PER_TILE = 2 * 2 * 2
+SHAPE_HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src", "moe", "grouped_shape.hpp")
+
+
+def token_tiles(header=SHAPE_HEADER):
+    """The token-tile classes the kernel is instantiated for (kGroupedTokenTiles)."""
+    with open(header) as f:
+        m = re.search(r"kGroupedTokenTiles\[\]\s*=\s*\{([^}]*)\}", f.read())
+    if not m:
+        raise SystemExit(f"check_grouped_sass: no kGroupedTokenTiles in {header}")
+    return sorted(int(v) for v in m.group(1).split(","))
 
 
 def find_cuobjdump(explicit):
@@ -97,10 +108,17 @@ def main():
         if problems:
             failed += 1
             print(f"FAIL {name}:\n  " + "\n  ".join(problems))
-    if len(found) != EXPECTED_INSTANTIATIONS:
+    tiles = token_tiles()
+    per_tile = {nt: 0 for nt in tiles}
+    for name, _ in found:
+        m = re.search(r"Li(\d+)EEEv", name)
+        if m and int(m.group(1)) in per_tile:
+            per_tile[int(m.group(1))] += 1
+    missing = {nt: n for nt, n in per_tile.items() if n != PER_TILE}
+    if missing or len(found) != PER_TILE * len(tiles):
         hint = "" if "Function :" in run.stdout else " (no SASS at all: cuobjdump needs nvdisasm beside it)"
-        print(f"FAIL: {len(found)} moe_grouped_kernel instantiations in {args.library}, "
-              f"expected {EXPECTED_INSTANTIATIONS}{hint}")
+        print(f"FAIL: {len(found)} moe_grouped_kernel instantiations in {args.library}, expected {PER_TILE} "
+              f"for each token tile {tiles}; tiles short: {missing}{hint}")
         failed += 1
     if failed:
         return 1

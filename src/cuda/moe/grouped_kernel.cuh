@@ -71,7 +71,7 @@ template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
 __global__ void __launch_bounds__(kGroupedThreads, 1)
     moe_grouped_kernel(const __grid_constant__ CUtensorMap wmap, GemmParams p) {
   static_assert(K != ScaleKind::csf, "stage-read CSF calls run on the decode kernel");
-  static_assert(NT % 16 == 0 && NT >= 16 && NT <= 128, "token tile classes: grouped_shape.hpp");
+  static_assert(NT % 8 == 0 && NT >= 16 && NT <= 128, "token tile classes: grouped_shape.hpp");
   using namespace decode;
   using namespace ptx;
   constexpr GroupedSmem kSmem = grouped_smem(NT);
