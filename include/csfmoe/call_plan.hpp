@@ -65,7 +65,7 @@ struct MoeBindOptions {
   // Calls with T >= grouped_min_tokens run the grouped kernel where it
   // applies (as the prefill kernel: sm_90, H a multiple of 256 and N of 128,
   // dense scales); it takes precedence over the prefill and decode kernels.
-  // 0xFFFFFFFF never uses it; 0 (the default): T * top_k >= 8 * E, 8 routed
+  // 0xFFFFFFFF never uses it; 0 (the default): T * top_k >= 5 * E, 5 routed
   // rows per expert on average, the measured crossover (docs/moe-api.md).
   std::uint32_t grouped_min_tokens = 0;
   // The grouped kernel's token tile (routed rows per tile, the MMA's N):

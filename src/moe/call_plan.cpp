@@ -75,7 +75,7 @@ std::uint32_t prefill_threshold(const MoeBindOptions& o, const MoeLayerGeometry&
 }
 
 std::uint32_t grouped_threshold(const MoeBindOptions& o, const MoeLayerGeometry& g) {
-  return token_threshold(o.grouped_min_tokens, 8, g);
+  return token_threshold(o.grouped_min_tokens, kGroupedMinRowsPerExpert, g);
 }
 
 bool decode_possible(const MoePlan& plan, const MoeDeviceCaps& caps, const MoeBindOptions& options) {

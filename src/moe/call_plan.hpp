@@ -24,9 +24,10 @@ constexpr bool prefill_shape_ok(std::uint32_t hidden, std::uint32_t intermediate
 std::uint32_t prefill_threshold(const MoeBindOptions& options, const MoeLayerGeometry& geometry);
 
 // The smallest T that runs the grouped kernel: the option, or with 0 (the
-// default) 8 routed rows per expert on average, T * k >= 8 * E, where it
-// overtook the decode kernel on the H200 (DeepSeek-V3 from T = 256,
-// Qwen3-30B-A3B from 128; bench/RESULTS.md, "Grouped kernel").
+// default) kGroupedMinRowsPerExpert routed rows per expert on average,
+// T * k >= 5 * E: between the H200's DeepSeek-V3 T = 128 (4 E, decode 13 %
+// faster) and the H100's Kimi K2 T = 256 (5.3 E, grouped 15 % faster;
+// bench/RESULTS.md, "Grouped kernel").
 std::uint32_t grouped_threshold(const MoeBindOptions& options, const MoeLayerGeometry& geometry);
 
 // Whether the layer's calls may run the decode kernel on the device: the

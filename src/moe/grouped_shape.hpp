@@ -134,14 +134,19 @@ constexpr GroupedActChunk grouped_act_chunk(std::uint32_t nt, int p, int a) {
 
 // The token tile of a call (the routing's rows per tile, the most one item
 // multiplies), from the mean routed rows per expert R = ceil(T * k / E) by
-// a table measured on the H200 (bench/RESULTS.md, "Grouped kernel"): the
+// a table measured on the H100 over every class (DeepSeek-V3, Kimi K2 and
+// Qwen3-30B-A3B, NVFP4 and MXFP4; bench/RESULTS.md, "Grouped kernel"): the
 // first entry whose bound holds; `requested` (a class, from
-// MoeBindOptions) wins. Larger tiles convert each weight for more rows;
-// smaller ones pad less and keep more ring stages.
+// MoeBindOptions) wins. Each tile converts its expert's weights once, so
+// most experts should fit one tile (a class a little above R, where the
+// routed counts spread around their mean), while every padding row costs
+// MMA work. Between 128 and 192 rows two tiles of 96 pad less than two of
+// 128 (Kimi K2 T = 8192: 4-7 % faster).
 struct GroupedTileRule {
   std::uint32_t max_rows, tile;
 };
-inline constexpr GroupedTileRule kGroupedTileTable[] = {{8, 16}, {16, 32}, {64, 64}, {0xFFFFFFFFu, 128}};
+inline constexpr GroupedTileRule kGroupedTileTable[] = {
+    {12, 16}, {16, 24}, {24, 32}, {32, 48}, {48, 64}, {64, 80}, {128, 128}, {192, 96}, {0xFFFFFFFFu, 128}};
 constexpr std::uint32_t grouped_token_tile(std::uint64_t tokens, std::uint32_t topk, std::uint32_t experts,
                                            std::uint32_t requested) {
   if (requested != 0) return requested;
@@ -150,6 +155,10 @@ constexpr std::uint32_t grouped_token_tile(std::uint64_t tokens, std::uint32_t t
     if (rows <= r.max_rows) return r.tile;
   return kGroupedMaxTile;
 }
+
+// Mean routed rows per expert from which the plan runs the grouped kernel
+// rather than the decode kernel (call_plan.hpp, grouped_threshold).
+constexpr std::uint32_t kGroupedMinRowsPerExpert = 5;
 
 constexpr bool grouped_token_tile_valid(std::uint32_t nt) {
   for (const int v : kGroupedTokenTiles)

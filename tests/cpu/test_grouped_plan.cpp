@@ -44,23 +44,39 @@ MoePlan plan_of(ScaleCompression c, const MoeLayerGeometry& g) {
 const MoeLayerGeometry kDs3{256, 7168, 2048, 8, GateUpOrder::w13};
 const MoeLayerGeometry kQwen3{128, 2048, 768, 8, GateUpOrder::w13};
 
-// The measured table (H200, bench/RESULTS.md): R = ceil(T k / E) up to 8 ->
-// 16, up to 16 -> 32, up to 64 -> 64, above -> 128.
+// The measured table (H100, bench/RESULTS.md): the class the sweep found
+// fastest at each measured point, and every R mapped to a class.
 TEST(GroupedPlan, TokenTileFollowsTheMeasuredTable) {
-  for (const MoeLayerGeometry& g : {kDs3, kQwen3}) {
-    for (std::uint32_t t = 1; t <= 16384; t = t * 3 / 2 + 1) {
-      const std::uint64_t r = (std::uint64_t(t) * g.topk + g.experts - 1) / g.experts;
-      const std::uint32_t want = r <= 8 ? 16 : r <= 16 ? 32 : r <= 64 ? 64 : 128;
-      SCOPED_TRACE("E=" + std::to_string(g.experts) + " T=" + std::to_string(t));
-      EXPECT_EQ(grouped_token_tile(t, g.topk, g.experts, 0), want);
-    }
+  const MoeLayerGeometry kimi{384, 7168, 2048, 8, GateUpOrder::w13};
+  struct Point {
+    MoeLayerGeometry g;
+    std::uint32_t tokens, tile;
+  };
+  for (const Point& p :
+       {Point{kDs3, 256, 16}, Point{kDs3, 512, 24}, Point{kDs3, 1024, 48}, Point{kDs3, 2048, 80},
+        Point{kDs3, 4096, 128}, Point{kDs3, 8192, 128}, Point{kimi, 256, 16}, Point{kimi, 512, 16},
+        Point{kimi, 1024, 32}, Point{kimi, 2048, 64}, Point{kimi, 4096, 128}, Point{kimi, 8192, 96},
+        Point{kQwen3, 128, 16}, Point{kQwen3, 256, 24}, Point{kQwen3, 512, 48}, Point{kQwen3, 1024, 80},
+        Point{kQwen3, 8192, 128}}) {
+    SCOPED_TRACE("E=" + std::to_string(p.g.experts) + " T=" + std::to_string(p.tokens));
+    EXPECT_EQ(grouped_token_tile(p.tokens, p.g.topk, p.g.experts, 0), p.tile);
   }
-  // DeepSeek-V3: R = T / 32.
-  EXPECT_EQ(grouped_token_tile(256, 8, 256, 0), 16u);
-  EXPECT_EQ(grouped_token_tile(257, 8, 256, 0), 32u);
-  EXPECT_EQ(grouped_token_tile(1024, 8, 256, 0), 64u);
-  EXPECT_EQ(grouped_token_tile(2048, 8, 256, 0), 64u);
-  EXPECT_EQ(grouped_token_tile(2049, 8, 256, 0), 128u);
+  // Every mean is mapped to a class, and no class needs more than two tiles
+  // for an expert of mean rows up to 256 (the largest class's two).
+  for (std::uint64_t t = 1; t <= 65536; t = t * 5 / 4 + 1) {
+    const std::uint64_t r = (t * 8 + 255) / 256;
+    const std::uint32_t nt = grouped_token_tile(t, 8, 256, 0);
+    SCOPED_TRACE("T=" + std::to_string(t));
+    EXPECT_TRUE(grouped_token_tile_valid(nt));
+    EXPECT_GE(2 * std::uint64_t(nt), std::min<std::uint64_t>(r, 2 * kGroupedMaxTile));
+  }
+  // Boundaries: R = 12 -> 16, 13 -> 24; R = 64 -> 80, 65 -> 128; R = 129 -> 96, 193 -> 128.
+  EXPECT_EQ(grouped_token_tile(12 * 32, 8, 256, 0), 16u);
+  EXPECT_EQ(grouped_token_tile(12 * 32 + 1, 8, 256, 0), 24u);
+  EXPECT_EQ(grouped_token_tile(64 * 32, 8, 256, 0), 80u);
+  EXPECT_EQ(grouped_token_tile(64 * 32 + 1, 8, 256, 0), 128u);
+  EXPECT_EQ(grouped_token_tile(128 * 32 + 1, 8, 256, 0), 96u);
+  EXPECT_EQ(grouped_token_tile(192 * 32 + 1, 8, 256, 0), 128u);
   EXPECT_EQ(grouped_token_tile(8192, 8, 256, 32), 32u);  // a requested class wins
   for (std::uint32_t bad : {1u, 8u, 40u, 136u, 256u}) EXPECT_FALSE(grouped_token_tile_valid(bad));
 }
@@ -216,16 +232,17 @@ TEST(GroupedPlan, ProducerChunksFillEachStageOnceInTheSwizzledLayout) {
   }
 }
 
-TEST(GroupedPlan, CallPlanChoosesTheGroupedKernelFromEightRowsPerExpert) {
+TEST(GroupedPlan, CallPlanChoosesTheGroupedKernelFromFiveRowsPerExpert) {
   const MoePlan native = plan_of(ScaleCompression::none, kDs3), csf = plan_of(ScaleCompression::csf, kDs3);
   MoeBindOptions o;
-  // The default threshold: T * k >= 8 * E (DeepSeek-V3: T >= 256; Qwen3-30B-A3B: T >= 128),
-  // ahead of the prefill kernel (T * k >= 16 * E).
-  EXPECT_EQ(grouped_threshold(o, kDs3), 256u);
-  EXPECT_EQ(grouped_threshold(o, kQwen3), 128u);
-  EXPECT_EQ(grouped_threshold(o, {384, 7168, 2048, 8, GateUpOrder::w13}), 384u);
-  EXPECT_EQ(plan_call(native, h200(), 255, false, false, o).kernel, MoeKernel::decode);
-  for (std::uint32_t t : {256u, 512u, 600u, 8192u}) {
+  // The default threshold: T * k >= 5 * E (DeepSeek-V3: T >= 160; Qwen3-30B-A3B: T >= 80;
+  // Kimi K2: T >= 240), ahead of the prefill kernel (T * k >= 16 * E).
+  EXPECT_EQ(grouped_threshold(o, kDs3), 160u);
+  EXPECT_EQ(grouped_threshold(o, kQwen3), 80u);
+  EXPECT_EQ(grouped_threshold(o, {384, 7168, 2048, 8, GateUpOrder::w13}), 240u);
+  EXPECT_EQ(grouped_threshold(o, {7, 512, 256, 3, GateUpOrder::w13}), 12u);  // ceil(35 / 3)
+  EXPECT_EQ(plan_call(native, h200(), 159, false, false, o).kernel, MoeKernel::decode);
+  for (std::uint32_t t : {160u, 256u, 512u, 600u, 8192u}) {
     const MoeCallPlan p = plan_call(native, h200(), t, false, false, o);
     EXPECT_EQ(p.kernel, MoeKernel::grouped);
     EXPECT_EQ(p.token_tile, grouped_token_tile(t, 8, 256, 0));

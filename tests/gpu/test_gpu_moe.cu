@@ -651,13 +651,14 @@ TEST_F(GpuMoe, GroupedKernelChosenFromItsThresholdAheadOfPrefill) {
   Layer l(ScaleFormat::nvfp4, g, seed, 512);
   Call call(l.plan_csf, 512);
   const MoeKernel large = sm90() ? MoeKernel::grouped : MoeKernel::decode;
-  // The default: 8 rows per expert on average, T * k >= 8 * E (here T >= 32), ahead of the
+  // The default: 5 rows per expert on average, T * k >= 5 * E (here T >= 20), ahead of the
   // prefill kernel (T >= 64).
   const BoundMoe automatic = bind(*l.native, nullptr, 512, call.workspace(), false);
-  EXPECT_EQ(automatic.kernel_for(31), MoeKernel::decode);
-  EXPECT_EQ(automatic.kernel_for(32), large);
+  EXPECT_EQ(automatic.kernel_for(19), MoeKernel::decode);
+  EXPECT_EQ(automatic.kernel_for(20), large);
   EXPECT_EQ(automatic.kernel_for(512), large);
-  EXPECT_EQ(automatic.call_plan(512).token_tile, sm90() ? 128u : 0u);  // 64 rows per expert
+  EXPECT_EQ(automatic.call_plan(512).token_tile, sm90() ? 128u : 0u);  // 128 rows per expert
+  EXPECT_EQ(automatic.call_plan(256).token_tile, sm90() ? 80u : 0u);   // 64
   EXPECT_EQ(automatic.call_plan(32).token_tile, sm90() ? 16u : 0u);
   MoeBindOptions opt;
   opt.grouped_min_tokens = 100;
