@@ -161,10 +161,6 @@ std::vector<std::uint8_t> decode_checked(const CsfTensor& enc, const CsfEntry& e
                                          const std::string& label, const CodecOptions& options,
                                          bool check_crc);
 
-// The original index bytes of a container folder's model.safetensors.index.json
-// (`raw`), if it is one csfmoe rewrote; CorruptData on a CRC mismatch.
-std::optional<std::string> original_index(const std::string& raw, const std::string& label);
-
 // zlib CRC32 of any number of bytes (zlib takes at most 4 GiB a call).
 std::uint32_t crc_of(std::span<const std::uint8_t> bytes);
 std::uint32_t crc_of(std::string_view bytes);
