@@ -10,6 +10,7 @@
 #include "checkpoint/container.hpp"
 #include "checkpoint/detect.hpp"
 #include "checkpoint/folder.hpp"
+#include "checkpoint/storage_table.hpp"
 #include "checkpoint/tp_slice.hpp"
 #include "checkpoint/verbs.hpp"
 #include "csfmoe/checkpoint.hpp"
@@ -220,12 +221,13 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
                               label, t->name, x));
           }
         }
-        CsfStorage storage = b12x             ? CsfStorage::b12x
-                             : planes.empty() ? CsfStorage::resident
-                                              : CsfStorage::planes;
+        // The naming is the schema's; the payload planes where the grid allows, else the resident form.
+        const CsfNaming naming = b12x ? CsfNaming::b12x : CsfNaming::container;
+        CsfPayload payload = planes.empty() ? CsfPayload::resident : CsfPayload::planes;
         // MXFP4 planes in slab form when that is smaller (never when larger), proven to give the planes back.
         std::vector<Mxfp4SlabPlanes> slab_form;
-        if (storage == CsfStorage::planes && cand->shape.format == ScaleFormat::mxfp4 && opt.mxfp4_slab) {
+        if (naming == CsfNaming::container && payload == CsfPayload::planes &&
+            cand->shape.format == ScaleFormat::mxfp4 && opt.mxfp4_slab) {
           for (const CsfPlanes& pl : planes) {
             slab_form.push_back(planes_to_mxfp4_slabs(pl, t->name));
             const CsfPlanes back_planes = mxfp4_slabs_to_planes(slab_form.back(), t->name);
@@ -233,14 +235,14 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
               throw CorruptData(fmt::format(
                   "{}: tensor '{}': MXFP4 slabs do not reproduce the planes (codec bug)", label, t->name));
           }
-          if (mxfp4_slabs_stored_bytes(slab_form) < planes_stored_bytes(planes))
-            storage = CsfStorage::mxfp4_slab;
+          const CsfForms both{&enc, planes, slab_form};
+          if (storage_of(CsfPayload::mxfp4_slab, naming).stored_bytes(both) <
+              storage_of(CsfPayload::planes, naming).stored_bytes(both))
+            payload = CsfPayload::mxfp4_slab;
         }
-        const std::uint64_t csf_bytes =
-            storage == CsfStorage::resident     ? enc.encoded_bytes()
-            : storage == CsfStorage::b12x       ? planes_stored_bytes(planes) - 4  // no record count
-            : storage == CsfStorage::mxfp4_slab ? mxfp4_slabs_stored_bytes(slab_form)
-                                                : planes_stored_bytes(planes);
+        const CsfStorageSpec& storage = storage_of(payload, naming);
+        const CsfForms forms{&enc, planes, slab_form};  // spans taken once slab_form is complete
+        const std::uint64_t csf_bytes = storage.stored_bytes(forms);
         tr.stats.encoded_bytes = csf_bytes;
         // The b12x schema stores every expert projection as planes: its loaders expect them.
         if (!b12x && opt.keep_unprofitable && csf_bytes >= data.size()) {
@@ -251,20 +253,11 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
           tr.action = TensorAction::csf;
           stored_bytes = csf_bytes;
           CsfEntry entry = csf_entry(*t, *cand, c32, enc.exceptions.size());
-          entry.storage = storage;
-          tr.storage = std::string(to_string(storage));
-          if (w) {
-            if (storage == CsfStorage::resident)
-              write_csf_parts(*w, t->name, enc);
-            else if (storage == CsfStorage::planes)
-              write_csf_planes(*w, t->name, planes);
-            else if (storage == CsfStorage::mxfp4_slab)
-              write_csf_mxfp4_slabs(*w, t->name, slab_form);
-            else
-              write_b12x_planes(*w, t->name, planes.front());
-          }
+          entry.storage = storage.storage;
+          tr.storage = std::string(storage.name);
+          if (w) storage.write(*w, t->name, forms);
           info.csf.push_back(std::move(entry));
-          result.csf_parts[t->name] = stored_part_names(t->name, storage, cand->shape.format);
+          result.csf_parts[t->name] = storage.parts(t->name, cand->shape.format);
         }
       }
       if (!stored_csf) info.native_kept[t->name] = {cand->shape.format, cand->layer, tr.reason};

@@ -25,7 +25,9 @@ inline constexpr const char* kContainerKey = "csfmoe.container";  // __metadata_
 inline constexpr const char* kOriginalKey = "csfmoe.original";    // __metadata__ key of the restore record
 inline constexpr const char* kFormatName = "csfmoe-csf";
 
-// How a CSF tensor's parts are stored (docs/container-format.md).
+// How a CSF tensor's parts are stored (docs/container-format.md). Each value
+// has one entry in the storage table (storage_table.hpp: name, first version,
+// payload and naming, parts, writer, byte count, loader), in this order.
 enum class CsfStorage {
   // The resident form as is: padded fixed slabs, records, row prefix and
   // partition index (the only storage of version 1).
