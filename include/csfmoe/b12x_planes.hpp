@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "csfmoe/codec.hpp"
+#include "csfmoe/detail/plane_layout.hpp"
 #include "csfmoe/formats.hpp"
 #include "csfmoe/tensor_slice.hpp"
 
@@ -34,8 +35,9 @@ struct PlaneShape {
 // "[rows, cols] format", as error messages name a grid.
 std::string to_string(const PlaneShape& s);
 
-// Rows of one slab of the fixed plane (both formats).
-inline constexpr std::uint32_t plane_slab_rows = 16;
+// Rows of one slab of the fixed plane (both formats); the plane's layout is
+// detail/plane_layout.hpp's.
+inline constexpr std::uint32_t plane_slab_rows = csf::plane_slab_rows;
 
 // Bytes of one 16-row slab: NVFP4 16 * (1 + cols / 2), MXFP4 16 * (1 + ceil(cols / 8)).
 std::uint64_t plane_slab_bytes(ScaleFormat format, std::uint32_t cols);

@@ -18,14 +18,13 @@ namespace csfmoe {
 
 // Per-row delta code of a slab: codes 0..2 mean base = slab base + code,
 // the escape code means the row's base is the next byte of the escape list.
-inline constexpr unsigned mxfp4_slab_delta_bits = 2;
-inline constexpr std::uint8_t mxfp4_slab_escape = 3;
+inline constexpr unsigned mxfp4_slab_delta_bits = csf::mxfp4_slab_delta_bits;
+inline constexpr std::uint8_t mxfp4_slab_escape = csf::mxfp4_slab_escape;
 
 // Bytes of one 16-row slab: the slab base, 16 two-bit delta codes (4 bytes),
 // then the 16 rows' selector bits as one stream of 16 * cols bits (2 * cols
-// bytes; row i column c is stream bit i * cols + c, bit k at bit k % 8 of
-// byte k / 8).
-inline constexpr std::uint64_t mxfp4_slab_bytes(std::uint32_t cols) { return 5 + 2 * std::uint64_t{cols}; }
+// bytes); the byte map is detail/plane_layout.hpp's.
+inline constexpr std::uint64_t mxfp4_slab_bytes(std::uint32_t cols) { return csf::mxfp4_slab_bytes(cols); }
 // Bytes of the slabs of one grid: rows / 16 slabs.
 inline std::uint64_t mxfp4_slab_plane_bytes(const PlaneShape& s) {
   return std::uint64_t{s.rows / plane_slab_rows} * mxfp4_slab_bytes(s.cols);

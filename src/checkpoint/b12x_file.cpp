@@ -161,7 +161,7 @@ std::optional<ForeignB12x> foreign_b12x(const st::File& f, const std::string& la
                       what, fixed->name, shape_str(fixed->shape)));
     } else if (fmt_ == ScaleFormat::nvfp4) {
       rows = fixed->shape[0] * plane_slab_rows;
-      cols = 2 * (fixed->shape[1] / 16 - 1);
+      cols = csf::nvfp4_plane_cols(fixed->shape[1]);
     } else {
       throw FormatError(
           fmt::format("{}: the MXFP4 columns of '{}' need its weight (X.weight, X.weight_packed, S.weight "

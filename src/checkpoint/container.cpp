@@ -6,10 +6,12 @@
 #include <fmt/ranges.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/json_error.hpp"
+#include "checkpoint/storage_table.hpp"
 #include "csfmoe/errors.hpp"
 
 namespace csfmoe::detail {
@@ -30,24 +32,11 @@ PartNames part_names(const std::string& t) {
           t + ".csf.slab_escapes"};
 }
 
-std::string_view to_string(CsfStorage s) {
-  switch (s) {
-    case CsfStorage::planes:
-      return "planes";
-    case CsfStorage::b12x:
-      return "b12x";
-    case CsfStorage::mxfp4_slab:
-      return "mxfp4_slab";
-    case CsfStorage::resident:
-      break;
-  }
-  return "resident";
-}
-
 int container_version_for(const std::vector<CsfEntry>& entries) {
-  for (const auto& e : entries)
-    if (e.storage == CsfStorage::mxfp4_slab) return 3;
-  return 2;
+  // Version 2 at least: this build writes no version 1 file (those are only read).
+  int version = 2;
+  for (const auto& e : entries) version = std::max(version, storage_spec(e.storage).min_version);
+  return version;
 }
 
 bool planes_storable(const GridShape& g) {
@@ -185,15 +174,11 @@ std::optional<ContainerInfo> get_container_metadata(const std::optional<st::Meta
     if (auto l = t.find("layer"); l != t.end()) e.layer = as_string(*l, what + ".layer");
     if (auto s = t.find("storage"); s != t.end()) {
       const std::string v = as_string(*s, what + ".storage");
-      if (v == "planes" && version >= 2)
-        e.storage = CsfStorage::planes;
-      else if (v == "b12x" && version >= 2)
-        e.storage = CsfStorage::b12x;
-      else if (v == "mxfp4_slab" && version >= 3)
-        e.storage = CsfStorage::mxfp4_slab;
-      else if (v != "resident")
+      const CsfStorageSpec* spec = find_storage(v);
+      if (!spec || version < spec->min_version)
         throw FormatError(
             fmt::format("{}.storage: '{}' is not a storage of container version {}", what, v, version));
+      e.storage = spec->storage;
     }
     info.csf.push_back(std::move(e));
   }
@@ -243,92 +228,7 @@ std::optional<ContainerInfo> get_container_metadata(const std::optional<st::Meta
 namespace {
 constexpr char kB64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
-template <class T>
-std::span<const std::uint8_t> as_bytes(const std::vector<T>& v) {
-  return {reinterpret_cast<const std::uint8_t*>(v.data()), v.size() * sizeof(T)};
-}
-
 }  // namespace
-
-void write_csf_parts(st::Writer& w, const std::string& name, const CsfTensor& t) {
-  const auto p = part_names(name);
-  w.add_tensor(p.fixed, st::Dtype::U8, {t.fixed.size()}, t.fixed);
-  w.add_tensor(p.exceptions, st::Dtype::U32, {t.exceptions.size()}, as_bytes(t.exceptions));
-  w.add_tensor(p.row_prefix, st::Dtype::U32, {t.row_prefix.size()}, as_bytes(t.row_prefix));
-  w.add_tensor(p.partition_index, st::Dtype::U32, {t.partition_index.size()}, as_bytes(t.partition_index));
-}
-
-void write_csf_planes(st::Writer& w, const std::string& name, std::span<const CsfPlanes> experts) {
-  const auto p = part_names(name);
-  const PlaneShape s = experts.empty() ? PlaneShape{} : experts.front().shape;
-  const std::uint64_t slab = plane_slab_bytes(s.format, s.cols);
-  w.begin_tensor(p.planes, st::Dtype::U8, {experts.size() * (s.rows / plane_slab_rows), slab});
-  for (const auto& e : experts) w.write(e.fixed);
-  w.end_tensor();
-  std::vector<std::uint32_t> counts;
-  std::uint64_t records = 0;
-  for (const auto& e : experts) {
-    counts.push_back(static_cast<std::uint32_t>(e.exceptions.size()));
-    records += e.exceptions.size();
-  }
-  w.begin_tensor(p.exceptions, st::Dtype::U32, {records});
-  for (const auto& e : experts) w.write(as_bytes(e.exceptions));
-  w.end_tensor();
-  w.add_tensor(p.expert_exceptions, st::Dtype::U32, {counts.size()}, as_bytes(counts));
-}
-
-std::uint64_t planes_stored_bytes(std::span<const CsfPlanes> experts) {
-  std::uint64_t n = 0;
-  for (const auto& e : experts) n += e.fixed.size() + 4 * e.exceptions.size() + 4;
-  return n;
-}
-
-void write_csf_mxfp4_slabs(st::Writer& w, const std::string& name, std::span<const Mxfp4SlabPlanes> experts) {
-  const auto p = part_names(name);
-  const PlaneShape s = experts.empty() ? PlaneShape{ScaleFormat::mxfp4, 0, 0} : experts.front().shape;
-  w.begin_tensor(p.slabs, st::Dtype::U8,
-                 {experts.size() * (s.rows / plane_slab_rows), mxfp4_slab_bytes(s.cols)});
-  for (const auto& e : experts) w.write(e.slabs);
-  w.end_tensor();
-  std::uint64_t escapes = 0, records = 0;
-  std::vector<std::uint32_t> counts;
-  for (const auto& e : experts) {
-    escapes += e.escapes.size();
-    records += e.exceptions.size();
-    counts.push_back(static_cast<std::uint32_t>(e.exceptions.size()));
-  }
-  w.begin_tensor(p.slab_escapes, st::Dtype::U8, {escapes});
-  for (const auto& e : experts) w.write(e.escapes);
-  w.end_tensor();
-  w.begin_tensor(p.exceptions, st::Dtype::U32, {records});
-  for (const auto& e : experts) w.write(as_bytes(e.exceptions));
-  w.end_tensor();
-  w.add_tensor(p.expert_exceptions, st::Dtype::U32, {counts.size()}, as_bytes(counts));
-}
-
-std::vector<std::string> stored_part_names(const std::string& tensor, CsfStorage storage,
-                                           ScaleFormat format) {
-  auto p = part_names(tensor);
-  switch (storage) {
-    case CsfStorage::planes:
-      return {p.planes, p.exceptions, p.expert_exceptions};
-    case CsfStorage::b12x:
-      return {b12x_fixed_name(tensor, format), b12x_exceptions_name(tensor, format)};
-    case CsfStorage::mxfp4_slab:
-      return {p.slabs, p.slab_escapes, p.exceptions, p.expert_exceptions};
-    case CsfStorage::resident:
-      break;
-  }
-  return {p.fixed, p.exceptions, p.row_prefix, p.partition_index};
-}
-
-void write_b12x_planes(st::Writer& w, const std::string& name, const CsfPlanes& planes) {
-  const PlaneShape& s = planes.shape;
-  w.add_tensor(b12x_fixed_name(name, s.format), st::Dtype::U8,
-               {s.rows / plane_slab_rows, plane_slab_bytes(s.format, s.cols)}, planes.fixed);
-  w.add_tensor(b12x_exceptions_name(name, s.format), st::Dtype::U32, {planes.exceptions.size()},
-               as_bytes(planes.exceptions));
-}
 
 std::uint64_t stored_part_bytes(const st::File& c, const CsfEntry& e) {
   std::uint64_t n = 0;
@@ -354,6 +254,12 @@ std::uint64_t container_header_bound(const ContainerInfo& base, const std::vecto
     t.end = off;
     tens.push_back(std::move(t));
   };
+  // Every CSF candidate is counted with the longest storage name.
+  const auto storages = csf_storages();
+  const CsfStorage longest_name =
+      std::max_element(storages.begin(), storages.end(), [](const auto& a, const auto& b) {
+        return a.name.size() < b.name.size();
+      })->storage;
   for (const BoundTensor& b : tensors) {
     const st::TensorInfo* t = b.tensor;
     ub.native_crc32[t->name] = UINT32_MAX;
@@ -381,7 +287,7 @@ std::uint64_t container_header_bound(const ContainerInfo& base, const std::vecto
       e.crc32 = UINT32_MAX;
       e.exceptions = values;
       e.layer = b.layer;
-      e.storage = CsfStorage::mxfp4_slab;  // the longest storage name
+      e.storage = longest_name;
       ub.csf.push_back(std::move(e));
       // Its native entry (if kept) and the reason string in the descriptor.
       bound += 2 * ojson(t->name).dump().size() + 21 * (t->shape.size() + 2) + 512;
@@ -457,132 +363,15 @@ std::uint32_t crc_of(std::string_view s) {
   return crc_of(std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(s.data()), s.size()));
 }
 
-namespace {
-
-// The resident form from the plane parts of `e` (read through `get`, which
-// checks each part's dtype and shape).
-template <class Get>
-CsfTensor load_planes(const CsfEntry& e, const std::string& what, Get&& get) {
-  const GridShape& g = e.grid;
-  if (!planes_storable(g))
-    throw FormatError(fmt::format("{}: a {} grid of {} x {} cannot be stored as planes", what,
-                                  to_string(g.layout), g.rows, g.cols));
-  const PlaneShape shape{g.format, g.rows, g.cols};
-  const bool slab_form = e.storage == CsfStorage::mxfp4_slab;
-  if (slab_form && g.format != ScaleFormat::mxfp4)
-    throw FormatError(fmt::format("{}: the mxfp4_slab storage holds MXFP4 grids, the descriptor says {}",
-                                  what, to_string(g.format)));
-  const std::uint64_t slab = slab_form ? mxfp4_slab_bytes(g.cols) : plane_slab_bytes(g.format, g.cols);
-  const std::uint64_t slabs = g.rows / plane_slab_rows;
-  const auto p = part_names(e.name);
-  const bool b12x = e.storage == CsfStorage::b12x;
-  if (b12x && g.experts != 1)
-    throw FormatError(
-        fmt::format("{}: b12x planes hold one expert projection, the grid says {}", what, g.experts));
-  const auto planes = get(b12x        ? b12x_fixed_name(e.name, g.format)
-                          : slab_form ? p.slabs
-                                      : p.planes,
-                          st::Dtype::U8, {std::uint64_t{g.experts} * slabs, slab}, /*flat_ok=*/b12x);
-  const auto records =
-      get(b12x ? b12x_exceptions_name(e.name, g.format) : p.exceptions, st::Dtype::U32, {e.exceptions});
-  std::vector<std::uint32_t> counts(g.experts, static_cast<std::uint32_t>(e.exceptions));
-  if (!b12x) {
-    const auto counts_raw = get(p.expert_exceptions, st::Dtype::U32, {g.experts});
-    if (!counts.empty()) std::memcpy(counts.data(), counts_raw.data(), counts_raw.size());
-  }
-  const auto records_raw = [&](std::uint64_t i) { return records.data() + 4 * i; };
-  std::uint64_t total = 0;
-  for (std::uint32_t c : counts) total += c;
-  if (total != e.exceptions)
-    throw FormatError(fmt::format("{}: the per-expert record counts add up to {}, the descriptor says {}",
-                                  what, total, e.exceptions));
-  std::vector<CsfPlanes> experts(g.experts);
-  std::uint64_t at = 0;
-  if (slab_form) {
-    // Each expert's escaped rows take the next bases of the escape list.
-    std::vector<std::uint64_t> escapes(g.experts);
-    std::uint64_t escape_total = 0;
-    for (std::uint32_t x = 0; x < g.experts; ++x) {
-      escapes[x] = mxfp4_slab_escape_count(shape, planes.subspan(x * slabs * slab, slabs * slab),
-                                           fmt::format("{} expert {}", what, x));
-      escape_total += escapes[x];
-    }
-    const auto escape_bytes = get(p.slab_escapes, st::Dtype::U8, {escape_total});
-    std::vector<std::uint32_t> expert_records;
-    std::uint64_t escape_at = 0;
-    for (std::uint32_t x = 0; x < g.experts; ++x) {
-      expert_records.resize(counts[x]);
-      if (counts[x]) std::memcpy(expert_records.data(), records_raw(at), 4 * std::uint64_t{counts[x]});
-      at += counts[x];
-      experts[x] = mxfp4_slabs_to_planes(shape, planes.subspan(x * slabs * slab, slabs * slab),
-                                         escape_bytes.subspan(escape_at, escapes[x]), expert_records,
-                                         fmt::format("{} expert {}", what, x));
-      escape_at += escapes[x];
-    }
-  }
-  for (std::uint32_t x = 0; x < g.experts && !slab_form; ++x) {
-    CsfPlanes& pl = experts[x];
-    pl.shape = shape;
-    const auto fixed = planes.subspan(x * slabs * slab, slabs * slab);
-    pl.fixed.assign(fixed.begin(), fixed.end());
-    pl.exceptions.resize(counts[x]);
-    if (counts[x]) std::memcpy(pl.exceptions.data(), records_raw(at), 4 * std::uint64_t{counts[x]});
-    at += counts[x];
-  }
-  try {
-    return planes_to_csf(experts, what);
-  } catch (const InvalidArgument& x) {
-    throw FormatError(fmt::format("{}: {}", what, x.what()));
-  }
-}
-
-}  // namespace
-
 CsfTensor load_csf_parts(const st::File& c, const CsfEntry& e, const std::string& label) {
   const std::string what = fmt::format("{}: tensor '{}'", label, e.name);
-  CsfTensor t;
+  CsfGeometry geometry;
   try {
-    t.geometry = CsfGeometry::of(e.grid);
+    geometry = CsfGeometry::of(e.grid);
   } catch (const InvalidArgument& x) {
     throw FormatError(fmt::format("{}: invalid grid in the descriptor: {}", what, x.what()));
   }
-  const auto p = part_names(e.name);
-  // `flat_ok`: a b12x fixed plane may also be stored flat, U8 [n] (see foreign_b12x).
-  auto get = [&](const std::string& n, st::Dtype d, const std::vector<std::uint64_t>& shape,
-                 bool flat_ok = false) -> std::span<const std::uint8_t> {
-    const st::TensorInfo* ti = c.find(n);
-    if (!ti) throw FormatError(fmt::format("{}: CSF part '{}' is missing", what, n));
-    if (ti->dtype != d)
-      throw FormatError(fmt::format("{}: CSF part '{}' must be {}, got {}", what, n, st::to_string(d),
-                                    st::to_string(ti->dtype)));
-    const bool flat_match =
-        flat_ok && shape.size() == 2 && ti->shape.size() == 1 && ti->shape[0] == shape[0] * shape[1];
-    if (ti->shape != shape && !flat_match)
-      throw FormatError(fmt::format("{}: CSF part '{}' has shape [{}], expected [{}]", what, n,
-                                    fmt::join(ti->shape, ", "), fmt::join(shape, ", ")));
-    return c.data(*ti);
-  };
-  const auto& g = t.geometry;
-  if (e.storage != CsfStorage::resident) return load_planes(e, what, get);
-  auto fixed = get(p.fixed, st::Dtype::U8, {g.fixed_bytes()});
-  auto exc = get(p.exceptions, st::Dtype::U32, {e.exceptions});
-  auto rp = get(p.row_prefix, st::Dtype::U32, {g.total_rows() + 1});
-  auto pi =
-      get(p.partition_index, st::Dtype::U32, {std::uint64_t{g.partitions_per_expert} * g.shape.experts + 1});
-  t.fixed.assign(fixed.begin(), fixed.end());
-  auto load32 = [](std::span<const std::uint8_t> b, std::vector<std::uint32_t>& v) {
-    v.resize(b.size() / 4);
-    if (!b.empty()) std::memcpy(v.data(), b.data(), b.size());
-  };
-  load32(exc, t.exceptions);
-  load32(rp, t.row_prefix);
-  load32(pi, t.partition_index);
-  try {
-    validate(t);
-  } catch (const FormatError& x) {
-    throw FormatError(fmt::format("{}: invalid CSF parts: {}", what, x.what()));
-  }
-  return t;
+  return storage_spec(e.storage).load(e, geometry, PartReader(c, what));
 }
 
 std::vector<std::uint8_t> decode_checked(const CsfTensor& enc, const CsfEntry& e, std::uint64_t nbytes,

@@ -25,7 +25,9 @@ inline constexpr const char* kContainerKey = "csfmoe.container";  // __metadata_
 inline constexpr const char* kOriginalKey = "csfmoe.original";    // __metadata__ key of the restore record
 inline constexpr const char* kFormatName = "csfmoe-csf";
 
-// How a CSF tensor's parts are stored (docs/container-format.md).
+// How a CSF tensor's parts are stored (docs/container-format.md). Each value
+// has one entry in the storage table (storage_table.hpp: name, first version,
+// payload and naming, parts, writer, byte count, loader), in this order.
 enum class CsfStorage {
   // The resident form as is: padded fixed slabs, records, row prefix and
   // partition index (the only storage of version 1).
@@ -160,10 +162,6 @@ CsfTensor load_csf_parts(const st::File& c, const CsfEntry& e, const std::string
 std::vector<std::uint8_t> decode_checked(const CsfTensor& enc, const CsfEntry& e, std::uint64_t nbytes,
                                          const std::string& label, const CodecOptions& options,
                                          bool check_crc);
-
-// The original index bytes of a container folder's model.safetensors.index.json
-// (`raw`), if it is one csfmoe rewrote; CorruptData on a CRC mismatch.
-std::optional<std::string> original_index(const std::string& raw, const std::string& label);
 
 // zlib CRC32 of any number of bytes (zlib takes at most 4 GiB a call).
 std::uint32_t crc_of(std::span<const std::uint8_t> bytes);

@@ -16,11 +16,12 @@
 #include "checkpoint/b12x_file.hpp"
 #include "checkpoint/container.hpp"
 #include "checkpoint/detect.hpp"
+#include "checkpoint/folder.hpp"
 #include "csfmoe/checkpoint.hpp"
 #include "csfmoe/checkpoint_reader.hpp"
 #include "csfmoe/errors.hpp"
-#include "csfmoe/tensor_slice.hpp"
 #include "csfmoe/safetensors.hpp"
+#include "csfmoe/tensor_slice.hpp"
 
 namespace csfmoe::detail {
 namespace fs = std::filesystem;
@@ -223,22 +224,10 @@ std::string sliced_index(const fs::path& index_file, std::uint64_t total_size,
   } catch (const nlohmann::json::exception&) {
     throw FormatError(fmt::format("{}: not valid JSON", index_file.string()));
   }
-  bool changed = false;
-  if (!plane_to_scale.empty()) {
-    ojson wm = ojson::object();
-    for (const auto& [tensor, shard] : idx.weight_map) {
-      const auto it = plane_to_scale.find(tensor);
-      wm[it == plane_to_scale.end() ? tensor : it->second] = shard;
-    }
-    j["weight_map"] = std::move(wm);
-    changed = true;
-  }
-  if (const auto m = j.find("metadata"); m != j.end() && m->is_object())
-    if (const auto ts = m->find("total_size"); ts != m->end() && ts->is_number()) {
-      *ts = total_size;
-      changed = true;
-    }
-  return changed ? j.dump(2) + "\n" : orig;
+  IndexEdit edit;
+  if (!plane_to_scale.empty()) edit = renaming(idx.weight_map, plane_to_scale);
+  edit.total_size = total_size;
+  return edit_index(std::move(j), edit).value_or(orig);
 }
 
 }  // namespace

@@ -16,49 +16,8 @@ using namespace csf_internal;
 
 namespace {
 
-// Where the bases and codes of a row live in a fixed plane.
-struct PlaneLayout {
-  ScaleFormat format;
-  u32 rows, cols;
-  u32 row_bytes;    // code bytes per row
-  u64 slab_bytes;   // 16 bases + 16 rows of codes
-  unsigned window;  // 16 (NVFP4) or 2 (MXFP4)
-
-  explicit PlaneLayout(const PlaneShape& s)
-      : format(s.format),
-        rows(s.rows),
-        cols(s.cols),
-        row_bytes(s.format == kNv ? s.cols / 2 : (s.cols + 7) / 8),
-        slab_bytes(plane_slab_bytes(s.format, s.cols)),
-        window(csf_window(s.format)) {}
-
-  bool nv() const { return format == kNv; }
-  u8 max_base() const { return static_cast<u8>(256 - window); }
-  std::size_t base_at(u32 r) const {
-    return std::size_t{r / plane_slab_rows} * slab_bytes + r % plane_slab_rows;
-  }
-  std::size_t codes_at(u32 r) const {
-    return std::size_t{r / plane_slab_rows} * slab_bytes + plane_slab_rows +
-           std::size_t{r % plane_slab_rows} * row_bytes;
-  }
-  // Code of column c of a row whose codes start at `codes`.
-  u8 code(const u8* codes, u32 c) const {
-    return nv() ? static_cast<u8>((codes[c / 2] >> ((c & 1) * 4)) & 0xF)
-                : static_cast<u8>((codes[c / 8] >> (c % 8)) & 1);
-  }
-  void clear_code(u8* codes, u32 c) const {
-    if (nv())
-      codes[c / 2] = static_cast<u8>(codes[c / 2] & ~(0xF << ((c & 1) * 4)));
-    else
-      codes[c / 8] = static_cast<u8>(codes[c / 8] & ~(1 << (c % 8)));
-  }
-  void set_code(u8* codes, u32 c, u8 code) const {
-    if (nv())
-      codes[c / 2] = static_cast<u8>(codes[c / 2] | (code << ((c & 1) * 4)));
-    else
-      codes[c / 8] = static_cast<u8>(codes[c / 8] | (code << (c % 8)));
-  }
-};
+// The layout of a grid's fixed plane.
+csf::PlaneLayout plane_layout(const PlaneShape& s) { return {s.format, s.rows, s.cols}; }
 
 // Byte of a CsfTensor NVFP4 slab holding the code pair j (columns 2j, 2j + 1)
 // of row r: in the 128x4 nibble order a pair is one byte, (j / 2) * 256 +
@@ -75,7 +34,7 @@ std::size_t csf_code_pair_byte(u32 r, u32 j) {
 // slot under a record becomes code 0; a record inside the window becomes
 // that code instead. csfmoe's resident form and every plane it writes keep
 // this form.
-void canonicalize(const PlaneLayout& L, std::vector<u8>& fixed, std::vector<u32>& exceptions) {
+void canonicalize(const csf::PlaneLayout& L, std::vector<u8>& fixed, std::vector<u32>& exceptions) {
   std::size_t kept = 0;
   for (const u32 rec : exceptions) {
     const u32 pos = csf::record_position(rec), r = pos / L.cols, c = pos % L.cols;
@@ -119,8 +78,7 @@ std::string to_string(const PlaneShape& s) {
 }
 
 std::uint64_t plane_slab_bytes(ScaleFormat format, std::uint32_t cols) {
-  const u64 row_bytes = format == kNv ? cols / 2 : (u64{cols} + 7) / 8;
-  return plane_slab_rows * (1 + row_bytes);
+  return csf::plane_slab_bytes(format, cols);
 }
 
 void check_plane_shape(const PlaneShape& s, std::string_view name) {
@@ -148,7 +106,7 @@ CsfPlanes encode_planes(const PlaneShape& s, std::span<const std::uint8_t> nativ
   if (native.size() != want)
     throw InvalidArgument(fmt::format("{}: CSF planes encode: source holds {} bytes, expected {} for grid {}",
                                       name, native.size(), want, to_string(s)));
-  const PlaneLayout L(s);
+  const csf::PlaneLayout L = plane_layout(s);
   CsfPlanes out;
   out.shape = s;
   out.fixed.assign(plane_fixed_bytes(s), 0);
@@ -171,7 +129,7 @@ CsfPlanes encode_planes(const PlaneShape& s, std::span<const std::uint8_t> nativ
 void validate_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,
                      std::span<const std::uint32_t> exceptions, std::string_view name) {
   check_plane_shape(s, name);
-  const PlaneLayout L(s);
+  const csf::PlaneLayout L = plane_layout(s);
   const u64 want = plane_fixed_bytes(s);
   if (fixed.size() != want)
     throw FormatError(
@@ -215,7 +173,7 @@ void validate_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,
 CsfPlanes canonical_planes(const CsfPlanes& planes, std::string_view name) {
   validate_planes(planes.shape, planes.fixed, planes.exceptions, name);
   CsfPlanes out = planes;
-  canonicalize(PlaneLayout(planes.shape), out.fixed, out.exceptions);
+  canonicalize(plane_layout(planes.shape), out.fixed, out.exceptions);
   return out;
 }
 
@@ -228,7 +186,7 @@ void decode_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,
     throw InvalidArgument(
         fmt::format("{}: CSF planes decode: destination holds {} bytes, expected {} for grid {}", name,
                     native.size(), want, to_string(s)));
-  const PlaneLayout L(s);
+  const csf::PlaneLayout L = plane_layout(s);
   for (u32 r = 0; r < s.rows; ++r) {
     const u8 base = fixed[L.base_at(r)];
     const u8* codes = fixed.data() + L.codes_at(r);
@@ -270,7 +228,7 @@ CsfPlanes slice_planes(const CsfPlanes& source, std::span<const AxisRange> rows,
     throw InvalidArgument(fmt::format("{}: CSF planes slice: {} rows in all, too many", name, out_rows));
   const PlaneShape os{s.format, static_cast<u32>(out_rows), static_cast<u32>(cols.count)};
   check_plane_shape(os, name);
-  const PlaneLayout in(s), out_layout(os);
+  const csf::PlaneLayout in = plane_layout(s), out_layout = plane_layout(os);
   CsfPlanes out;
   out.shape = os;
   out.fixed.assign(plane_fixed_bytes(os), 0);
@@ -360,7 +318,7 @@ CsfTensor planes_to_csf(std::span<const CsfPlanes> experts, std::string_view nam
   } catch (const InvalidArgument& err) {
     throw InvalidArgument(fmt::format("{}: CSF planes to CSF tensor: {}", name, err.what()));
   }
-  const PlaneLayout L(s);
+  const csf::PlaneLayout L = plane_layout(s);
   CsfTensor t;
   t.geometry = g;
   t.fixed.assign(g.fixed_bytes(), 0);
@@ -404,7 +362,7 @@ std::vector<CsfPlanes> csf_to_planes(const CsfTensor& tensor, std::string_view n
   const CsfGeometry& g = tensor.geometry;
   const PlaneShape s{g.shape.format, g.shape.rows, g.shape.cols};
   check_plane_shape(s, name);
-  const PlaneLayout L(s);
+  const csf::PlaneLayout L = plane_layout(s);
   const Fixed fx{g, const_cast<u8*>(tensor.fixed.data())};
   const u32 R = s.rows, C = s.cols;
   std::vector<CsfPlanes> out(g.shape.experts);

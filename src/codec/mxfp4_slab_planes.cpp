@@ -17,15 +17,6 @@ namespace {
 constexpr u32 kSlabRows = plane_slab_rows;
 constexpr unsigned kDeltaRange = mxfp4_slab_escape;  // codes 0..2: slab base + code
 constexpr u8 kMaxBase = 254;                         // the window [base, base + 1] fits in a byte
-constexpr std::size_t kDeltaBytes = 1;               // delta codes start after the slab base
-constexpr std::size_t kCodeBytes = kDeltaBytes + kSlabRows * mxfp4_slab_delta_bits / 8;
-
-u8 delta_code(const u8* slab, u32 i) {
-  return static_cast<u8>((slab[kDeltaBytes + i / 4] >> (2 * (i % 4))) & 3);
-}
-void set_delta_code(u8* slab, u32 i, u8 code) {
-  slab[kDeltaBytes + i / 4] = static_cast<u8>(slab[kDeltaBytes + i / 4] | (code << (2 * (i % 4))));
-}
 
 // Little-endian bit stream over bytes that start zeroed.
 struct BitWriter {
@@ -85,24 +76,13 @@ void check_mxfp4_shape(const PlaneShape& s, std::string_view name) {
   check_plane_shape(s, name);
 }
 
-// Byte offsets of row r's base and selector bytes in a b12x MXFP4 plane.
-struct B12xRows {
-  u64 slab_bytes;
-  u32 row_bytes;
-  explicit B12xRows(u32 cols) : slab_bytes(plane_slab_bytes(kMx, cols)), row_bytes((cols + 7) / 8) {}
-  std::size_t base_at(u32 r) const { return std::size_t{r / kSlabRows} * slab_bytes + r % kSlabRows; }
-  std::size_t codes_at(u32 r) const {
-    return std::size_t{r / kSlabRows} * slab_bytes + kSlabRows + std::size_t{r % kSlabRows} * row_bytes;
-  }
-};
-
 }  // namespace
 
 Mxfp4SlabPlanes planes_to_mxfp4_slabs(const CsfPlanes& source, std::string_view name) {
   check_mxfp4_shape(source.shape, name);
   const CsfPlanes planes = canonical_planes(source, name);  // the slab form is written: encoder's form
   const PlaneShape& s = planes.shape;
-  const B12xRows in(s.cols);
+  const csf::PlaneLayout in(kMx, s.rows, s.cols);
   const u64 slab_bytes = mxfp4_slab_bytes(s.cols);
   Mxfp4SlabPlanes out;
   out.shape = s;
@@ -129,13 +109,13 @@ Mxfp4SlabPlanes planes_to_mxfp4_slabs(const CsfPlanes& source, std::string_view 
       const u8 base = planes.fixed[in.base_at(r0 + i)];
       const u8 delta = static_cast<u8>(base - slab_base);
       if (delta < kDeltaRange) {
-        set_delta_code(dst, i, delta);
+        csf::set_mxfp4_slab_delta_code(dst, i, delta);
       } else {
-        set_delta_code(dst, i, mxfp4_slab_escape);
+        csf::set_mxfp4_slab_delta_code(dst, i, mxfp4_slab_escape);
         out.escapes.push_back(base);
       }
     }
-    BitWriter bits{dst + kCodeBytes};
+    BitWriter bits{dst + csf::mxfp4_slab_selector_byte};
     for (u32 i = 0; i < kSlabRows; ++i) {
       const u8* row = planes.fixed.data() + in.codes_at(r0 + i);
       for (u32 c = 0; c < s.cols; c += kChunk) {
@@ -158,7 +138,8 @@ std::uint64_t mxfp4_slab_escape_count(const PlaneShape& s, std::span<const std::
                     name, slabs.size(), want, s.rows / kSlabRows, slab_bytes, to_string(s)));
   u64 n = 0;
   for (u64 at = 0; at < want; at += slab_bytes)
-    for (u32 i = 0; i < kSlabRows; ++i) n += delta_code(slabs.data() + at, i) == mxfp4_slab_escape;
+    for (u32 i = 0; i < kSlabRows; ++i)
+      n += csf::mxfp4_slab_delta_code(slabs.data() + at, i) == mxfp4_slab_escape;
   return n;
 }
 
@@ -170,7 +151,7 @@ CsfPlanes mxfp4_slabs_to_planes(const PlaneShape& s, std::span<const std::uint8_
     throw FormatError(fmt::format(
         "{}: MXFP4 slab planes: {} rows are escaped but the escape list holds {} bases (one per escaped row)",
         name, escape_codes, escapes.size()));
-  const B12xRows out_rows(s.cols);
+  const csf::PlaneLayout out_rows(kMx, s.rows, s.cols);
   const u64 slab_bytes = mxfp4_slab_bytes(s.cols);
   CsfPlanes out;
   out.shape = s;
@@ -184,7 +165,7 @@ CsfPlanes mxfp4_slabs_to_planes(const PlaneShape& s, std::span<const std::uint8_
       throw FormatError(fmt::format("{}: MXFP4 slab planes: slab {} (rows {}..{}) has base {}, above {}",
                                     name, slab, r0, r0 + kSlabRows - 1, slab_base, kMaxBase));
     for (u32 i = 0; i < kSlabRows; ++i) {
-      const u8 code = delta_code(src, i);
+      const u8 code = csf::mxfp4_slab_delta_code(src, i);
       unsigned base;
       if (code == mxfp4_slab_escape) {
         base = escapes[next_escape];
@@ -206,7 +187,7 @@ CsfPlanes mxfp4_slabs_to_planes(const PlaneShape& s, std::span<const std::uint8_
       }
       out.fixed[out_rows.base_at(r0 + i)] = static_cast<u8>(base);
     }
-    BitReader bits{src + kCodeBytes};
+    BitReader bits{src + csf::mxfp4_slab_selector_byte};
     for (u32 i = 0; i < kSlabRows; ++i) {
       u8* row = out.fixed.data() + out_rows.codes_at(r0 + i);
       for (u32 c = 0; c < s.cols; c += kChunk) {

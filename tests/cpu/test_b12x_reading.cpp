@@ -6,11 +6,8 @@
 // formats, several column counts, per-expert files and folders, and go
 // through verify, inspect, decompress, CheckpointFile, load_moe_layer, --tp
 // and the csf tool.
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
-#include <spawn.h>
-#include <sys/wait.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -33,6 +30,7 @@
 #include "csfmoe/moe_checkpoint.hpp"
 #include "csfmoe/safetensors.hpp"
 #include "csfmoe/synthetic.hpp"
+#include "test_csf_tool.hpp"
 #include "test_files.hpp"
 #include "test_seed.hpp"
 
@@ -45,6 +43,7 @@ namespace fs = std::filesystem;
 using csfmoe::testing::read_bytes;
 using csfmoe::testing::TempDir;
 using csfmoe::testing::write_bytes;
+using ToolRun = csfmoe::testing::CsfRun;
 using Bytes = std::vector<std::uint8_t>;
 constexpr ScaleFormat kNv = ScaleFormat::nvfp4, kMx = ScaleFormat::mxfp4;
 
@@ -184,36 +183,9 @@ std::map<std::string, Bytes> read_all(const fs::path& p) {
   return out;
 }
 
-struct ToolRun {
-  int code = -1;
-  std::string out, err;
-};
 // The csf tool, stdout and stderr captured (no shell).
 ToolRun csf_tool(const std::vector<std::string>& args, const fs::path& io) {
-  const fs::path o = io / "stdout", e = io / "stderr";
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, o.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&fa, 2, e.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<std::string> all = {CSFMOE_CSF_BINARY};
-  all.insert(all.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : all) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  ToolRun r;
-  if (::posix_spawn(&pid, CSFMOE_CSF_BINARY, &fa, nullptr, argv.data(), environ) != 0) {
-    posix_spawn_file_actions_destroy(&fa);
-    ADD_FAILURE() << "cannot start " << CSFMOE_CSF_BINARY;
-    return r;
-  }
-  posix_spawn_file_actions_destroy(&fa);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  r.out = read_bytes(o);
-  r.err = read_bytes(e);
-  return r;
+  return csfmoe::testing::run_csf_tool(args, io);
 }
 
 // Every reader refuses `in` with FormatError naming each needle, and

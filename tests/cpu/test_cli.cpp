@@ -2,9 +2,7 @@
 // fresh temporary folder on files written here (with a safetensors writer
 // independent of the library) and checks exit codes, outputs and the files
 // left behind.
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <spawn.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -30,6 +28,7 @@
 #include "csfmoe/quantize.hpp"
 #include "csfmoe/safetensors.hpp"
 #include "csfmoe/synthetic.hpp"
+#include "test_csf_tool.hpp"
 #include "test_processes.hpp"
 #include "test_seed.hpp"
 
@@ -40,15 +39,8 @@ namespace {
 namespace fs = std::filesystem;
 using Bytes = std::vector<std::uint8_t>;
 
-struct Result {
-  int code = -1;
-  std::string out, err;
-};
+using Result = csfmoe::testing::CsfRun;
 
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
 Bytes read_bytes(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
@@ -193,31 +185,7 @@ class CliTest : public ::testing::Test {
 
   // Runs csf with stdout/stderr captured into files (no shell involved).
   Result csf(const std::vector<std::string>& args) {
-    const fs::path o = dir_ / "io" / "stdout", e = dir_ / "io" / "stderr";
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, o.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_addopen(&fa, 2, e.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-    std::vector<std::string> all = {CSFMOE_CSF_BINARY};
-    all.insert(all.end(), args.begin(), args.end());
-    std::vector<char*> argv;
-    for (auto& a : all) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    pid_t pid = 0;
-    Result r;
-    const int rc = ::posix_spawn(&pid, CSFMOE_CSF_BINARY, &fa, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&fa);
-    if (rc != 0) {
-      ADD_FAILURE() << "cannot start " << CSFMOE_CSF_BINARY << ": " << std::strerror(rc);
-      return r;
-    }
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    r.out = read_text(o);
-    r.err = read_text(e);
-    return r;
+    return csfmoe::testing::run_csf_tool(args, dir_ / "io");
   }
 
   fs::path write(const std::string& name, const Bytes& b) {
