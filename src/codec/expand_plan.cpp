@@ -2,8 +2,6 @@
 
 #include <algorithm>
 
-#include "csfmoe/detail/csf_layout.hpp"
-
 namespace csfmoe::codec_detail {
 
 using u32 = std::uint32_t;
@@ -19,16 +17,13 @@ ExpandPlan plan_expand_job(const CsfGeometry& g, const std::uint8_t* fixed, cons
   J.exceptions = exceptions;
   J.partition_index = partition_index;
   J.dst = dst;
-  J.fixed_per_expert = g.fixed_bytes_per_expert;
+  J.layout = g.layout();
   J.out_per_expert = g.native_bytes(layout) / g.shape.experts;
   J.rows = g.shape.rows;
   J.cols = g.shape.cols;
-  J.padded_rows = g.padded_rows;
-  J.padded_cols = g.padded_cols;
   J.out_cols = rm ? g.shape.cols : static_cast<u32>(round_up(g.shape.cols, 4));
   J.out_rows = rm ? g.shape.rows : static_cast<u32>(round_up(g.shape.rows, 128));
-  J.slab_bytes = static_cast<u32>(g.slab_bytes);
-  J.mask_bytes = nv ? 0 : csf::mxfp4_mask_bytes(g.padded_cols);
+  J.mask_bytes = nv ? 0 : J.layout.mask_bytes();
   J.partition_rows = g.partition_rows;
   J.partitions = g.partitions_per_expert;
   if (nv) {
@@ -55,7 +50,7 @@ ExpandPlan plan_expand_job(const CsfGeometry& g, const std::uint8_t* fixed, cons
   }
   if (!nv) {
     // Stage the unit's slabs when they fit (they do for every real geometry).
-    const u64 bytes = u64{J.unit_rows / 16} * J.slab_bytes;
+    const u64 bytes = u64{J.unit_rows / 16} * J.layout.slab_bytes;
     if (bytes <= kMaxExpandStage) {
       J.staged = 1;
       plan.stage_bytes = static_cast<u32>(bytes);

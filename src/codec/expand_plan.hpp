@@ -6,8 +6,10 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "csfmoe/codec.hpp"
+#include "csfmoe/detail/csf_layout.hpp"
 #include "csfmoe/formats.hpp"
 
 namespace csfmoe::codec_detail {
@@ -29,14 +31,11 @@ struct ExpandJob {
   const std::uint32_t* exceptions = nullptr;
   const std::uint32_t* partition_index = nullptr;
   std::uint8_t* dst = nullptr;
-  std::uint64_t fixed_per_expert = 0;
+  csf::LayoutView layout;            // of the CSF parts
   std::uint64_t out_per_expert = 0;  // native bytes of one expert in the output layout
   std::uint32_t rows = 0, cols = 0;  // true grid
-  std::uint32_t padded_rows = 0, padded_cols = 0;
-  std::uint32_t out_cols = 0;  // row length of the output layout (cols or round_up(cols, 4))
-  std::uint32_t out_rows = 0;  // rows of the output layout (rows, or rows rounded to 128)
-  std::uint32_t slab_bytes = 0;
-  std::uint32_t mask_bytes = 0;  // MXFP4: bytes of offset bits per row
+  std::uint32_t out_cols = 0;        // row length of the output layout (cols or round_up(cols, 4))
+  std::uint32_t out_rows = 0;        // rows of the output layout (rows, or rows rounded to 128)
   std::uint32_t partition_rows = 0;
   std::uint32_t partitions = 0;   // per expert
   std::uint32_t unit_rows = 0;    // output rows per unit (multiple of partition_rows)
@@ -45,7 +44,12 @@ struct ExpandJob {
   std::uint32_t unit_groups = 0;  // NVFP4 row-major: column groups per split
   std::uint32_t units = 0;        // row_units * col_units
   std::uint32_t staged = 0;       // MXFP4: the unit's slabs are staged in shared memory
+  // MXFP4: layout.mask_bytes(), precomputed: the expansion loops read it per
+  // row, and deriving it there costs them instructions.
+  std::uint32_t mask_bytes = 0;
 };
+static_assert(std::is_trivially_copyable_v<ExpandJob> && std::is_standard_layout_v<ExpandJob>,
+              "ExpandJob is a kernel parameter");
 
 struct ExpandPlan {
   ExpandJob job;

@@ -59,10 +59,10 @@ void check_plan(const GridShape& shape, ScaleLayout out) {
   EXPECT_EQ(J.dst, kDst);
   EXPECT_EQ(J.rows, shape.rows);
   EXPECT_EQ(J.cols, shape.cols);
-  EXPECT_EQ(J.padded_rows, g.padded_rows);
-  EXPECT_EQ(J.padded_cols, g.padded_cols);
-  EXPECT_EQ(J.slab_bytes, g.slab_bytes);
-  EXPECT_EQ(J.fixed_per_expert, g.fixed_bytes_per_expert);
+  EXPECT_EQ(J.layout.padded_rows, g.padded_rows);
+  EXPECT_EQ(J.layout.padded_cols, g.padded_cols);
+  EXPECT_EQ(J.layout.slab_bytes, g.slab_bytes);
+  EXPECT_EQ(J.layout.fixed_bytes_per_expert, g.fixed_bytes_per_expert);
   EXPECT_EQ(J.partition_rows, g.partition_rows);
   EXPECT_EQ(J.partitions, g.partitions_per_expert);
   EXPECT_EQ(J.out_per_expert, g.native_bytes(out) / shape.experts);

@@ -338,14 +338,11 @@ DeviceCsfTensor encode_on_device(const GridShape& shape, const std::uint8_t* d_s
   p.src = d_src;
   p.fixed = st->fixed;
   p.src_per_expert = g.native_bytes(shape.layout) / shape.experts;
-  p.fixed_per_expert = g.fixed_bytes_per_expert;
+  p.layout = g.layout();
+  p.mask_bytes = nv ? 0 : p.layout.mask_bytes();
   p.experts = shape.experts;
   p.rows = shape.rows;
   p.cols = shape.cols;
-  p.padded_rows = g.padded_rows;
-  p.padded_cols = g.padded_cols;
-  p.slab_bytes = static_cast<u32>(g.slab_bytes);
-  p.mask_bytes = nv ? 0 : csf::mxfp4_mask_bytes(g.padded_cols);
   p.unit_rows = nv ? 128 : 64;
   p.units = g.padded_rows / p.unit_rows;
   // Lanes per row: enough 16-byte chunks to cover the row, at least 8.

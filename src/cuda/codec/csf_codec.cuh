@@ -56,6 +56,15 @@ __device__ __forceinline__ u64 spread_bits8(u32 m) {
   return ((x + 0x7F7F7F7F7F7F7F7Full) >> 7) & 0x0101010101010101ull;
 }
 
+// A slab holds fewer than 2^24 positions, so its byte count fits 32 bits and
+// slab offsets multiply it 32 x 32 -> 64 bits. The cvt is explicit because a
+// cast folds back into a 64-bit mask of the parameter, which costs registers.
+__device__ __forceinline__ u32 slab_bytes_u32(const csf::LayoutView& v) {
+  u32 r;
+  asm("cvt.u32.u64 %0, %1;" : "=r"(r) : "l"(v.slab_bytes));
+  return r;
+}
+
 // Stores the first n (<= 16) bytes of v at p: one 16-byte store when possible.
 __device__ __forceinline__ void store_bytes(u8* p, const uint4& v, u32 n) {
   if (n == 16 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
@@ -110,8 +119,8 @@ __device__ __forceinline__ Patch patch_prefetch(const ExpandJob& J, u32 e, u32 r
 template <ScaleLayout L>
 __device__ __forceinline__ void patch_one(const ExpandJob& J, u8* out, u32 rec, u32 col_begin, u32 col_end) {
   const u32 pos = csf::record_position(rec);
-  const u32 r = csf::position_row(pos, J.padded_cols);
-  const u32 c = pos - r * J.padded_cols;
+  const u32 r = J.layout.position_row(pos);
+  const u32 c = J.layout.position_col(pos);
   if (c < col_begin || c >= col_end) return;  // another column split owns it
   if constexpr (L == ScaleLayout::row_major)
     out[u64{r} * J.cols + c] = csf::record_value(rec);
@@ -136,7 +145,7 @@ struct NvRowUnit {
 };
 
 __device__ __forceinline__ NvRowUnit nv_row_unit(const ExpandJob& J, u32 unit) {
-  const u32 groups = J.padded_cols / 4;
+  const u32 groups = J.layout.padded_cols / 4;
   NvRowUnit u;
   u.slab = unit / J.col_units;
   u.g0 = (unit % J.col_units) * J.unit_groups;
@@ -146,7 +155,7 @@ __device__ __forceinline__ NvRowUnit nv_row_unit(const ExpandJob& J, u32 unit) {
 
 __device__ __forceinline__ void nv_row_fill(const ExpandJob& J, u32 e, u32 unit, u8* smem) {
   const NvRowUnit u = nv_row_unit(J, unit);
-  const u8* slab = J.fixed + e * J.fixed_per_expert + u64{u.slab} * J.slab_bytes;
+  const u8* slab = J.fixed + e * J.layout.fixed_bytes_per_expert + u64{u.slab} * slab_bytes_u32(J.layout);
   const u32 chunks = 8 + u.ng * 16;
   for (u32 t = threadIdx.x; t < chunks; t += kThreads) {
     if (t < 8) {
@@ -195,8 +204,8 @@ __device__ __forceinline__ void nv_row_dense(const ExpandJob& J, u32 e, u32 unit
 // turns 8 nibble bytes (chunk k of group gi) and the 4 bases of rows
 // k + 32q into output bytes [16t, 16t + 16): loads and stores both coalesced.
 __device__ __forceinline__ void nv_swz_dense(const ExpandJob& J, u32 e, u32 unit) {
-  const u32 groups = J.padded_cols / 4;
-  const u8* slab = J.fixed + e * J.fixed_per_expert + u64{unit} * J.slab_bytes;
+  const u32 groups = J.layout.padded_cols / 4;
+  const u8* slab = J.fixed + e * J.layout.fixed_bytes_per_expert + u64{unit} * slab_bytes_u32(J.layout);
   u8* out = J.dst + e * J.out_per_expert + u64{unit} * groups * 512;
   const u32 chunks = groups * 32;
   const u32 bases = __ldg(reinterpret_cast<const u32*>(slab) + (threadIdx.x & 31));  // k = t & 31 for every t
@@ -216,8 +225,9 @@ __device__ __forceinline__ void nv_swz_dense(const ExpandJob& J, u32 e, u32 unit
 // when they fit; `fx` then points at the first staged slab `slab0`.
 __device__ __forceinline__ void mx_fill(const ExpandJob& J, u32 e, u32 row_begin, u32 row_end, u8* smem) {
   const u32 s0 = row_begin / 16, s1 = (row_end + 15) / 16;
-  const u8* src = J.fixed + e * J.fixed_per_expert + u64{s0} * J.slab_bytes;
-  const u32 chunks = (s1 - s0) * J.slab_bytes / 16;
+  const u32 slab_bytes = slab_bytes_u32(J.layout);
+  const u8* src = J.fixed + e * J.layout.fixed_bytes_per_expert + u64{s0} * slab_bytes;
+  const u32 chunks = (s1 - s0) * slab_bytes / 16;
   for (u32 t = threadIdx.x; t < chunks; t += kThreads) cp_async16(smem + t * 16, src + u64{t} * 16);
   cp_async_commit();
 }
@@ -229,15 +239,16 @@ __device__ __forceinline__ void mx_row_dense(const ExpandJob& J, u32 e, u32 unit
   const u32 r1 = min(r0 + J.unit_rows, J.rows);
   const u32 words = (J.cols + 15) / 16;
   const u32 items = (r1 - r0) * words;
+  const u32 slab_bytes = slab_bytes_u32(J.layout), mask_bytes = J.mask_bytes;
   u8* out = J.dst + e * J.out_per_expert;
   for (u32 i = threadIdx.x; i < items; i += kThreads) {
     const u32 rr = i / words, w = i - rr * words;
     const u32 r = r0 + rr;
-    const u8* slab = fx + u64{csf::slab_index(ScaleFormat::mxfp4, r) - slab0} * J.slab_bytes;
+    const u8* slab = fx + u64{csf::slab_index(ScaleFormat::mxfp4, r) - slab0} * slab_bytes;
     const u64 base8 = u64{slab[csf::base_index(ScaleFormat::mxfp4, r)]} * 0x0101010101010101ull;
-    const u8* mask = slab + 16 + (r % 16) * J.mask_bytes;  // csf::mxfp4_row_mask, added in 64 bits
+    const u8* mask = slab + 16 + (r % 16) * mask_bytes;  // csf::mxfp4_row_mask, added in 64 bits
     const u32 m0 = mask[2 * w];
-    const u32 m1 = 2 * w + 1 < J.mask_bytes ? mask[2 * w + 1] : 0u;
+    const u32 m1 = 2 * w + 1 < mask_bytes ? mask[2 * w + 1] : 0u;
     const u64 lo = spread_bits8(m0) + base8, hi = spread_bits8(m1) + base8;
     const uint4 v = make_uint4(static_cast<u32>(lo), static_cast<u32>(lo >> 32), static_cast<u32>(hi),
                                static_cast<u32>(hi >> 32));
@@ -254,6 +265,7 @@ __device__ __forceinline__ void mx_swz_dense(const ExpandJob& J, u32 e, u32 unit
   const u32 t0 = unit * tiles_per_unit;
   const u32 t1 = min(t0 + tiles_per_unit, J.out_rows / 128);
   const u32 items = (t1 - t0) * groups * 32;
+  const u32 slab_bytes = slab_bytes_u32(J.layout), mask_bytes = J.mask_bytes;
   u8* out = J.dst + e * J.out_per_expert + u64{t0} * groups * 512;
   for (u32 t = threadIdx.x; t < items; t += kThreads) {
     const u32 k = t & 31, tg = t >> 5;
@@ -263,9 +275,9 @@ __device__ __forceinline__ void mx_swz_dense(const ExpandJob& J, u32 e, u32 unit
     for (u32 q = 0; q < 4; ++q) {
       const u32 r = (t0 + tt) * 128 + q * 32 + k;
       v[q] = 0;
-      if (r < J.padded_rows) {
-        const u8* slab = fx + u64{csf::slab_index(ScaleFormat::mxfp4, r) - slab0} * J.slab_bytes;
-        const u32 m = slab[16 + (r % 16) * J.mask_bytes + gi / 2];  // csf::mxfp4_row_mask
+      if (r < J.layout.padded_rows) {
+        const u8* slab = fx + u64{csf::slab_index(ScaleFormat::mxfp4, r) - slab0} * slab_bytes;
+        const u32 m = slab[16 + (r % 16) * mask_bytes + gi / 2];  // csf::mxfp4_row_mask
         v[q] = spread_bits4(m >> (4 * (gi & 1))) +
                u32{slab[csf::base_index(ScaleFormat::mxfp4, r)]} * 0x01010101u;
       }
@@ -286,7 +298,7 @@ struct Expander {
   }
   __device__ static u32 row_end(const ExpandJob& J, u32 unit) {
     if constexpr (kNvRow) return row_begin(J, unit) + 128;
-    return min(unit * J.unit_rows + J.unit_rows, J.padded_rows);
+    return min(unit * J.unit_rows + J.unit_rows, J.layout.padded_rows);
   }
   // Asynchronous staging of the unit's fixed bytes (if any).
   __device__ static void fill(const ExpandJob& J, u32 e, u32 unit, u8* smem) {
@@ -302,7 +314,7 @@ struct Expander {
     } else if constexpr (F == ScaleFormat::nvfp4) {
       nv_swz_dense(J, e, unit);
     } else {
-      const u8* fx = J.staged ? smem : J.fixed + e * J.fixed_per_expert;
+      const u8* fx = J.staged ? smem : J.fixed + e * J.layout.fixed_bytes_per_expert;
       const u32 slab0 = J.staged ? row_begin(J, unit) / 16 : 0u;
       if constexpr (L == ScaleLayout::row_major)
         mx_row_dense(J, e, unit, fx, slab0);
@@ -318,7 +330,7 @@ struct Expander {
       const NvRowUnit u = nv_row_unit(J, unit);
       patch_apply<L>(J, e, pt, u.g0 * 4, u.g0 * 4 + u.ng * 4);
     } else {
-      patch_apply<L>(J, e, pt, 0, J.padded_cols);
+      patch_apply<L>(J, e, pt, 0, J.layout.padded_cols);
     }
   }
 };
@@ -434,18 +446,20 @@ __global__ void __launch_bounds__(kThreads, kExpandBlocksPerSm) expand_kernel(co
 struct EncodeParams {
   const u8* src = nullptr;
   u8* fixed = nullptr;
-  u32* counts = nullptr;  // E * padded_rows (+1, zeroed)
+  u32* counts = nullptr;  // E * layout.padded_rows (+1, zeroed)
   unsigned long long* total = nullptr;
   const u32* row_prefix = nullptr;  // records pass
   u32* exceptions = nullptr;        // records pass
   u64 src_per_expert = 0;
-  u64 fixed_per_expert = 0;
-  u32 experts = 0, rows = 0, cols = 0, padded_rows = 0, padded_cols = 0;
-  u32 slab_bytes = 0, mask_bytes = 0;
+  csf::LayoutView layout;  // of the CSF parts being built
+  u32 experts = 0, rows = 0, cols = 0;
   u32 unit_rows = 0;  // rows per block
   u32 units = 0;      // per expert
   u32 lanes = 32;     // lanes per row (4..32, power of two)
   u32 staged = 0;     // NVFP4: build the slab in shared memory
+  // MXFP4: layout.mask_bytes(), precomputed: deriving it in encode_rows costs
+  // registers.
+  u32 mask_bytes = 0;
 };
 
 // 16 source bytes of (e, r) from column c0 (n valid, the rest 0).
@@ -544,8 +558,9 @@ __global__ void __launch_bounds__(kThreads) encode_rows_kernel(const EncodeParam
   const u32 grp = lane / p.lanes, glane = lane % p.lanes;
   const u32 gmask = p.lanes == 32 ? 0xFFFFFFFFu : (((1u << p.lanes) - 1u) << (grp * p.lanes));
   u32* hist = hists + (warp * groups_per_warp + grp) * 256;
-  u8* fixed_e = p.fixed + e * p.fixed_per_expert;
-  const u32 groups = p.padded_cols / 4;
+  u8* fixed_e = p.fixed + e * p.layout.fixed_bytes_per_expert;
+  const u32 groups = p.layout.padded_cols / 4;
+  const u32 slab_bytes = slab_bytes_u32(p.layout);
 
   if (threadIdx.x == 0) s_block_total = 0;
   for (u32 i = threadIdx.x; i < kWarps * groups_per_warp * 256; i += kThreads) hists[i] = 0;
@@ -585,7 +600,7 @@ __global__ void __launch_bounds__(kThreads) encode_rows_kernel(const EncodeParam
       load_row16<L>(p, e, r, c0, v, n);
       if constexpr (kNv) {
         const u32 rs = r % 128;
-        u8* slab = p.staged ? sslab : fixed_e + u64{csf::slab_index(F, r)} * p.slab_bytes;
+        u8* slab = p.staged ? sslab : fixed_e + u64{csf::slab_index(F, r)} * slab_bytes;
         const u32 stride = p.staged ? kGroupStride : 256u;
 #pragma unroll
         for (u32 j = 0; j < 4; ++j) {
@@ -603,8 +618,7 @@ __global__ void __launch_bounds__(kThreads) encode_rows_kernel(const EncodeParam
         }
       } else {
         // csf::mxfp4_row_mask, added in 64 bits
-        u8* mask =
-            fixed_e + u64{csf::slab_index(F, r)} * p.slab_bytes + 16 + (r % 16) * p.mask_bytes + c0 / 8;
+        u8* mask = fixed_e + u64{csf::slab_index(F, r)} * slab_bytes + 16 + (r % 16) * p.mask_bytes + c0 / 8;
         u32 bits = 0;
 #pragma unroll
         for (u32 i = 0; i < 16; ++i) {
@@ -618,13 +632,13 @@ __global__ void __launch_bounds__(kThreads) encode_rows_kernel(const EncodeParam
     if (glane == 0) {
       if constexpr (kNv) {
         const u32 rs = r % 128;
-        u8* slab = p.staged ? sslab : fixed_e + u64{csf::slab_index(F, r)} * p.slab_bytes;
+        u8* slab = p.staged ? sslab : fixed_e + u64{csf::slab_index(F, r)} * slab_bytes;
         slab[csf::base_index(F, rs)] = static_cast<u8>(base);
       } else {
-        fixed_e[u64{csf::slab_index(F, r)} * p.slab_bytes + csf::base_index(F, r)] = static_cast<u8>(base);
+        fixed_e[u64{csf::slab_index(F, r)} * slab_bytes + csf::base_index(F, r)] = static_cast<u8>(base);
       }
       const u32 exc = p.cols - in_window;
-      p.counts[u64{e} * p.padded_rows + r] = exc;
+      p.counts[u64{e} * p.layout.padded_rows + r] = exc;
       block_total += exc;
     }
   }
@@ -633,7 +647,7 @@ __global__ void __launch_bounds__(kThreads) encode_rows_kernel(const EncodeParam
   if (threadIdx.x == 0 && s_block_total) atomicAdd(p.total, static_cast<unsigned long long>(s_block_total));
   if (kNv && p.staged) {
     // Copy the slab out (unpadding the groups); unit_rows == 128: one slab.
-    u8* slab = fixed_e + u64{r0 / 128} * p.slab_bytes;
+    u8* slab = fixed_e + u64{r0 / 128} * slab_bytes;
     const u32 chunks = 8 + groups * 16;
     for (u32 t = threadIdx.x; t < chunks; t += kThreads) {
       if (t < 8) {
@@ -659,22 +673,23 @@ __global__ void __launch_bounds__(kThreads) encode_records_kernel(const EncodePa
   const u32 groups_per_warp = 32 / p.lanes;
   const u32 grp = lane / p.lanes, glane = lane % p.lanes;
   const u32 gmask = p.lanes == 32 ? 0xFFFFFFFFu : (((1u << p.lanes) - 1u) << (grp * p.lanes));
-  const u8* fixed_e = p.fixed + e * p.fixed_per_expert;
+  const u8* fixed_e = p.fixed + e * p.layout.fixed_bytes_per_expert;
+  const u32 slab_bytes = slab_bytes_u32(p.layout);
   const u32 rows_per_pass = kWarps * groups_per_warp;
   for (u32 pass = 0; pass * rows_per_pass < p.unit_rows; ++pass) {
     const u32 r = r0 + pass * rows_per_pass + warp * groups_per_warp + grp;
     if (r >= p.rows || r >= r0 + p.unit_rows) continue;
-    const u64 gr = u64{e} * p.padded_rows + r;
+    const u64 gr = u64{e} * p.layout.padded_rows + r;
     u32 out = p.row_prefix[gr];
     if (p.row_prefix[gr + 1] == out) continue;
     u32 base;
     if constexpr (kNv) {
       const u32 rs = r % 128;
-      base = fixed_e[u64{csf::slab_index(F, r)} * p.slab_bytes + csf::base_index(F, rs)];
+      base = fixed_e[u64{csf::slab_index(F, r)} * slab_bytes + csf::base_index(F, rs)];
     } else {
-      base = fixed_e[u64{csf::slab_index(F, r)} * p.slab_bytes + csf::base_index(F, r)];
+      base = fixed_e[u64{csf::slab_index(F, r)} * slab_bytes + csf::base_index(F, r)];
     }
-    const u32 pos0 = csf::position(r, 0, p.padded_cols);
+    const u32 pos0 = p.layout.position(r, 0);
     const u32 trips = (p.cols + p.lanes * 16 - 1) / (p.lanes * 16);
     for (u32 t = 0; t < trips; ++t) {
       const u32 c0 = (t * p.lanes + glane) * 16;
