@@ -123,7 +123,7 @@ struct MoeCallPlan {
   // Decode kernel: tokens per pass over a tile's rows (8, 16 or 32); 0 for
   // the other kernels.
   std::uint32_t token_pass = 0;
-  // Grouped kernel: routed rows per token tile (16, 32, 64 or 128); 0 for
+  // Grouped kernel: routed rows per token tile (a kGroupedTokenTiles class); 0 for
   // the other kernels.
   std::uint32_t token_tile = 0;
   // Grouped kernel: token tiles per raster group of its work list, and
@@ -145,7 +145,8 @@ struct MoeCallPlan {
 //     grouped_min_tokens and the mode is not stage_read; else prefill
 //     likewise from the prefill threshold; else decode where the shape and
 //     shared memory allow it and T <= decode_max_tokens; else tiled.
-//   token tile (grouped): grouped_token_tile, else the smallest class >= T * k / E.
+//   token tile (grouped): grouped_token_tile, else the measured table by T * k / E
+//     (grouped_token_tile in src/moe/grouped_shape.hpp).
 //   token pass: 8 while T <= 32 or T * k <= 4 * E, 16 while T <= 512, else 32.
 // Throws InvalidArgument for invalid options.tuning or grouped_token_tile.
 MoeCallPlan plan_call(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint32_t tokens,
