@@ -6,7 +6,6 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -333,10 +332,7 @@ TpSliceBytes slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsign
     } else if (n == st::kIndexFileName) {
       // The index names tensors, not shapes: it stays valid for the slice,
       // with the slice's total_size.
-      const std::string text = sliced_index(p, bytes.sliced, plane_to_scale);
-      std::ofstream o(out / n, std::ios::binary);
-      o << text;
-      if (!o.flush()) throw IoError(fmt::format("cannot write {}", (out / n).string()));
+      write_file(out / n, sliced_index(p, bytes.sliced, plane_to_scale));
     } else {
       fs::copy(p, out / n, fs::copy_options::recursive | fs::copy_options::copy_symlinks, ec);
       if (ec)
