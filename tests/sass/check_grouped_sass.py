@@ -59,6 +59,12 @@ def functions(sass):
         yield name, "\n".join(body)
 
 
+def token_tile_of(name):
+    """The token tile NT of a mangled moe_grouped_kernel<F, K, GateUp, NT> name, or None."""
+    m = re.search(r"Li(\d+)EEEv", name)
+    return int(m.group(1)) if m else None
+
+
 def check(name, body):
     problems = []
     hgmma = re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, (\S+), gdesc", body)
@@ -68,9 +74,9 @@ def check(name, body):
         problems.append("an HGMMA takes A from shared memory, not registers")
     elif len(hgmma) % 16 != 0:
         problems.append(f"{len(hgmma)} HGMMA, not a multiple of the 16 per K block")
-    tile = re.search(r"Li(\d+)EEEv", name)
-    if tile and hgmma and any(n != tile.group(1) for n, _ in hgmma):
-        problems.append(f"HGMMA N {sorted(set(n for n, _ in hgmma))} differs from the token tile {tile.group(1)}")
+    tile = token_tile_of(name)
+    if tile is not None and hgmma and any(int(n) != tile for n, _ in hgmma):
+        problems.append(f"HGMMA N {sorted(set(n for n, _ in hgmma))} differs from the token tile {tile}")
     for what, pattern in (("UTMALDG", r"\bUTMALDG"), ("register split (USETMAXREG.TRY_ALLOC)", r"USETMAXREG\.TRY_ALLOC"),
                           ("register release (USETMAXREG.DEALLOC)", r"USETMAXREG\.DEALLOC"),
                           ("mbarrier wait (SYNCS.PHASECHK)", r"SYNCS\.PHASECHK"),
@@ -111,9 +117,9 @@ def main():
     tiles = token_tiles()
     per_tile = {nt: 0 for nt in tiles}
     for name, _ in found:
-        m = re.search(r"Li(\d+)EEEv", name)
-        if m and int(m.group(1)) in per_tile:
-            per_tile[int(m.group(1))] += 1
+        tile = token_tile_of(name)
+        if tile in per_tile:
+            per_tile[tile] += 1
     missing = {nt: n for nt, n in per_tile.items() if n != PER_TILE}
     if missing or len(found) != PER_TILE * len(tiles):
         hint = "" if "Function :" in run.stdout else " (no SASS at all: cuobjdump needs nvdisasm beside it)"
