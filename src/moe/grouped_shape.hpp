@@ -19,14 +19,33 @@ namespace csfmoe::moe_detail {
 inline constexpr int kGroupedTokenTiles[] = {16, 24, 32, 48, 64, 80, 96, 128};
 constexpr int kGroupedTokenTileCount = sizeof(kGroupedTokenTiles) / sizeof(kGroupedTokenTiles[0]);
 constexpr std::uint32_t kGroupedMinTile = 16, kGroupedMaxTile = 128;
+// The largest class whose consumers take one m64 tile each (grouped_consumers).
+constexpr int kGroupedMaxOneTileClass = 96;
 
-constexpr int kGroupedThreads = 384;         // producer warpgroup + two consumer warpgroups
 constexpr std::uint32_t kGroupedRows = 256;  // weight rows per work item (gate/up: 128 gate + 128 up)
 constexpr std::uint32_t kGroupedKBlock = 128;
 constexpr std::uint32_t kGroupedWeightStageBytes = kGroupedRows * kGroupedKBlock / 2;  // [row][64 B]
 constexpr std::uint32_t kGroupedMaxStages = 8;
 // Dynamic shared memory the kernel may use on sm_90 (227 KB opt-in).
 constexpr std::uint32_t kGroupedSmemLimit = 232448;
+
+// Consumer layout of a token tile: an item's 256 weight rows are four m64
+// tiles, spread over consumer warpgroups of `m_tiles` each. Two warpgroups
+// of two m64 tiles hold the largest accumulators (the 128-row tile); four
+// of one give each scheduler four converting warps instead of two, so one
+// warp's FP4 conversion runs while the others wait on their wgmmas, within
+// a smaller register budget per thread.
+struct GroupedConsumers {
+  int m_tiles;        // m64 tiles per consumer warpgroup (1 or 2)
+  int groups;         // consumer warpgroups: 4 / m_tiles
+  int producer_regs;  // setmaxnreg of the producer warpgroup ...
+  int consumer_regs;  // ... and of the consumers: 128 p + 128 groups c <= 65536
+  int threads;        // producer warpgroup + consumers
+};
+constexpr GroupedConsumers grouped_consumers(int nt) {
+  return nt <= kGroupedMaxOneTileClass ? GroupedConsumers{1, 4, 32, 120, 640}
+                                       : GroupedConsumers{2, 2, 40, 232, 384};
+}
 
 // Outputs of one work item: gate/up 128 (SiLU(gate) * up of 128 gate and
 // 128 up rows), down 256 rows.
@@ -99,21 +118,21 @@ constexpr GroupedItem grouped_item(std::uint32_t item, std::uint32_t tiles, std:
 // over all tiles (row block major) 3-12 % slower.
 constexpr std::uint32_t kGroupedDefaultTileGroup = 1;
 
-// Fragment map of a consumer thread (warpgroup wg 0..1 of the consumers,
-// warp wi 0..3 in it, lane group g = lane / 4): the output (gate/up) or row
-// (down) within the item of its m16 rows in m64 tile mt, and the ring row
-// of its weight chunk c = 2 * mt + h, the A-fragment rows g (h = 0) and
-// g + 8 (h = 1) of that m16 tile. Gate/up pairs the gate row (ring rows
-// 0..127, h = 0) with the up row of the same output (128..255, h = 1), so
+// Fragment map of a consumer thread (m64 tile q = 0..3 of the item's 256
+// weight rows, warpgroup wg holding tiles wg * m_tiles .. + m_tiles - 1;
+// warp wi 0..3 of the warpgroup, lane group g = lane / 4): the output
+// (gate/up) or row (down) within the item of its m16 rows in tile q, and
+// the ring row of its half h, the A-fragment rows g (h = 0) and g + 8
+// (h = 1) of that m16 tile. Gate/up pairs the gate row (ring rows 0..127,
+// h = 0) with the up row of the same output (128..255, h = 1), so
 // SiLU(gate) * up forms in registers. Lane t = lane % 4 reads bytes
 // 16t..16t+15 of each ring row (64 bytes per K block).
-constexpr std::uint32_t grouped_out_in_item(bool gate_up, int wg, int wi, int g, int mt) {
-  return std::uint32_t(gate_up ? 64 * wg + 32 * mt + 8 * wi + g : 128 * wg + 64 * mt + 16 * wi + g);
+constexpr std::uint32_t grouped_out_in_item(bool gate_up, int q, int wi, int g) {
+  return std::uint32_t(gate_up ? 32 * q + 8 * wi + g : 64 * q + 16 * wi + g);
 }
-constexpr std::uint32_t grouped_ring_row(bool gate_up, int wg, int wi, int g, int c) {
-  const int mt = c / 2, h = c % 2;
-  return gate_up ? std::uint32_t(h) * 128 + grouped_out_in_item(true, wg, wi, g, mt)
-                 : grouped_out_in_item(false, wg, wi, g, mt) + 8 * std::uint32_t(h);
+constexpr std::uint32_t grouped_ring_row(bool gate_up, int q, int wi, int g, int h) {
+  return gate_up ? std::uint32_t(h) * 128 + grouped_out_in_item(true, q, wi, g)
+                 : grouped_out_in_item(false, q, wi, g) + 8 * std::uint32_t(h);
 }
 
 // Activation chunk a (0 .. nt / 8 - 1) of producer thread p (0..127) in a

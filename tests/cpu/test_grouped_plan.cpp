@@ -180,31 +180,39 @@ TEST(GroupedPlan, WorkListCoversEveryItemOnceBalancedInRasterGroups) {
 
 // wgmma m64nNk16 A operand in registers (PTX ISA, "Register fragment
 // layout for matrix A"): within warp wi of the warpgroup, lane group g holds
-// rows 16 wi + g and 16 wi + g + 8 of the m64 tile. The kernel's two m64
-// tiles per consumer warpgroup cover its 128 weight rows; the map must give
-// every ring row to exactly one (thread, chunk), and gate/up must pair the
-// gate and up rows of one output in the same thread.
+// rows 16 wi + g and 16 wi + g + 8 of the m64 tile. Each class's consumer
+// warpgroups and their m64 tiles cover the item's 256 weight rows; the map
+// must give every ring row to exactly one (thread, chunk), and gate/up must
+// pair the gate and up rows of one output in the same thread.
 TEST(GroupedPlan, FragmentMapCoversTheRingOnceAndPairsGateWithUp) {
-  for (bool gate_up : {false, true}) {
-    std::vector<int> owner(kGroupedRows * 4, 0);  // (ring row, lane % 4)
-    for (int wg = 0; wg < 2; ++wg)
-      for (int wi = 0; wi < 4; ++wi)
-        for (int g = 0; g < 8; ++g)
-          for (int c = 0; c < 4; ++c) {
-            const int mt = c / 2, h = c % 2;
-            const std::uint32_t row = grouped_ring_row(gate_up, wg, wi, g, c);
-            ASSERT_LT(row, kGroupedRows);
-            for (int t = 0; t < 4; ++t) owner[row * 4 + t]++;
-            const std::uint32_t out = grouped_out_in_item(gate_up, wg, wi, g, mt);
-            if (gate_up) {
-              EXPECT_LT(out, 128u);
-              EXPECT_EQ(row, out + 128u * h);  // gate row, then the up row of the same output
-            } else {
-              // m64 tile mt of warpgroup wg: rows 128 wg + 64 mt + 16 wi + g (+ 8).
-              EXPECT_EQ(row, std::uint32_t(128 * wg + 64 * mt + 16 * wi + g + 8 * h));
+  for (int nt : kGroupedTokenTiles) {
+    const GroupedConsumers cons = grouped_consumers(nt);
+    ASSERT_EQ(cons.m_tiles * cons.groups, 4) << nt;
+    EXPECT_EQ(cons.threads, 128 * (1 + cons.groups)) << nt;
+    EXPECT_LE(128 * cons.producer_regs + 128 * cons.groups * cons.consumer_regs, 65536) << nt;
+    EXPECT_EQ(cons.consumer_regs % 8, 0);
+    EXPECT_EQ(cons.producer_regs % 8, 0);
+    for (bool gate_up : {false, true}) {
+      std::vector<int> owner(kGroupedRows * 4, 0);  // (ring row, lane % 4)
+      for (int wg = 0; wg < cons.groups; ++wg)
+        for (int wi = 0; wi < 4; ++wi)
+          for (int g = 0; g < 8; ++g)
+            for (int c = 0; c < 2 * cons.m_tiles; ++c) {
+              const int q = wg * cons.m_tiles + c / 2, h = c % 2;
+              const std::uint32_t row = grouped_ring_row(gate_up, q, wi, g, h);
+              ASSERT_LT(row, kGroupedRows);
+              for (int t = 0; t < 4; ++t) owner[row * 4 + t]++;
+              const std::uint32_t out = grouped_out_in_item(gate_up, q, wi, g);
+              if (gate_up) {
+                EXPECT_LT(out, 128u);
+                EXPECT_EQ(row, out + 128u * h);  // gate row, then the up row of the same output
+              } else {
+                // m64 tile q: rows 64 q + 16 wi + g (+ 8).
+                EXPECT_EQ(row, std::uint32_t(64 * q + 16 * wi + g + 8 * h));
+              }
             }
-          }
-    for (int o : owner) EXPECT_EQ(o, 1);
+      for (int o : owner) EXPECT_EQ(o, 1) << nt;
+    }
   }
 }
 

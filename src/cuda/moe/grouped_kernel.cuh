@@ -7,8 +7,10 @@
 //    boxes of 128 rows x 64 bytes per 128-wide K block), all 128 gather the
 //    tile's activation rows with cp.async into the 128-byte-swizzled layout
 //    wgmma reads (padding rows are zero-filled) and arrive on the stage's
-//    full barrier when their copies land. Warpgroups 1 and 2 consume
-//    (setmaxnreg.inc): 128 weight rows each, as the A operand from registers.
+//    full barrier when their copies land. The other warpgroups consume
+//    (setmaxnreg.inc), the item's 256 weight rows as the A operand from
+//    registers: two of 128 rows, or four of 64 in the smaller tiles
+//    (grouped_consumers).
 //  * Overlap. Each k32 step (two k16 wgmmas) converts its A fragment into
 //    its own register buffer, issues, commits and waits until at most
 //    kGroupedDepth groups are in flight, so the conversion of the next
@@ -46,8 +48,9 @@
 namespace csfmoe::moe_detail {
 
 // wgmma groups (k32 steps) a consumer keeps in flight while converting the
-// next fragment; its fragment buffers (kGroupedDepth + 1) divide the 8 steps
-// of a K block, so every buffer index is a compile-time constant.
+// next fragment; its fragment buffers (kGroupedDepth + 1) divide the steps
+// of a K block (4 per m64 tile), so every buffer index is a compile-time
+// constant.
 constexpr int kGroupedDepth = 1;
 // Step of a K block after which a consumer fetches the next block's operands,
 // in the tile classes that fetch mid-block (grouped_fetches_mid_block).
@@ -58,9 +61,7 @@ constexpr int kGroupedFetchStep = 5;
 // 2-10 % slower than fetching at the block's start with plain pairs
 // (bench/results/2026-12-05-grouped-fetch-ab-*.jsonl).
 constexpr bool grouped_fetches_mid_block(int nt) { return nt >= 128; }
-constexpr int kGroupedProducerRegs = 40, kGroupedConsumerRegs = 232;
-static_assert(8 % (kGroupedDepth + 1) == 0, "fragment buffers divide the steps of a K block");
-static_assert(128 * kGroupedProducerRegs + 256 * kGroupedConsumerRegs <= 65536, "register file");
+static_assert(4 % (kGroupedDepth + 1) == 0, "fragment buffers divide the steps of a K block");
 
 // Source element offset of a padding row: its copy is zero-filled.
 constexpr std::uint32_t kGroupedNoRow = 0xFFFFFFFFu;
@@ -68,14 +69,21 @@ constexpr std::uint32_t kGroupedNoRow = 0xFFFFFFFFu;
 using decode_bits::prefill_permuted_column;
 
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
-__global__ void __launch_bounds__(kGroupedThreads, 1)
+__global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
     moe_grouped_kernel(const __grid_constant__ CUtensorMap wmap, GemmParams p) {
   static_assert(K != ScaleKind::csf, "stage-read CSF calls run on the decode kernel");
   static_assert(NT % 8 == 0 && NT >= 16 && NT <= 128, "token tile classes: grouped_shape.hpp");
   using namespace decode;
   using namespace ptx;
   constexpr GroupedSmem kSmem = grouped_smem(NT);
+  constexpr GroupedConsumers kCons = grouped_consumers(NT);
+  constexpr int kMT = kCons.m_tiles, kChunks = 2 * kMT, kSteps = 4 * kMT;  // k32 steps per K block
+  static_assert(kMT * kCons.groups == 4 && kCons.threads == 128 * (1 + kCons.groups));
+  static_assert(128 * kCons.producer_regs + 128 * kCons.groups * kCons.consumer_regs <= 65536,
+                "register file");
+  static_assert(kSteps % (kGroupedDepth + 1) == 0, "fragment buffers divide the steps of a K block");
   constexpr bool kFetchMidBlock = grouped_fetches_mid_block(NT), kFoldScales = kFetchMidBlock;
+  static_assert(!kFetchMidBlock || (kMT == 2 && kGroupedFetchStep < kSteps));
   constexpr std::uint32_t kStages = kSmem.stages;
   constexpr std::uint32_t kHalfBytes = NT * 128;  // one 64-K half of the activation tile
   extern __shared__ unsigned char smem_raw[];
@@ -89,8 +97,8 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (std::uint32_t s = 0; s < kStages; ++s) {
-      mbarrier_init(&full[s], 128 + 1);  // producer copies (noinc) + the TMA thread's expect_tx
-      mbarrier_init(&empty[s], 8);       // one arrival per consumer warp
+      mbarrier_init(&full[s], 128 + 1);            // producer copies (noinc) + the TMA thread's expect_tx
+      mbarrier_init(&empty[s], 4 * kCons.groups);  // one arrival per consumer warp
     }
     fence_barrier_init();
   }
@@ -105,7 +113,7 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
 
   if (tid < 128) {
     // ---------------------------------------------------------------- producer
-    setmaxnreg_dec<kGroupedProducerRegs>();
+    setmaxnreg_dec<kCons.producer_regs>();
     // Chunk a of the thread: row first.row + 8a, at first.offset + 8a * 128 (grouped_act_chunk).
     constexpr GroupedActChunk first = grouped_act_chunk(NT, 0, 0);
     static_assert(first.row == 0 && first.offset == 0);
@@ -147,38 +155,42 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
   }
 
   // ------------------------------------------------------------------ consumers
-  setmaxnreg_inc<kGroupedConsumerRegs>();
+  setmaxnreg_inc<kCons.consumer_regs>();
   const int ct = tid - 128, wg = ct / 128, wi = (ct / 32) % 4, lane = ct % 32, g = lane / 4, t = lane % 4;
-  // The thread's outputs and ring rows (grouped_shape.hpp's fragment map).
-  const auto out_in_item = [&](int mt) { return grouped_out_in_item(GateUp, wg, wi, g, mt); };
-  std::uint32_t ring_row[4];
+  // The thread's outputs and ring rows (grouped_shape.hpp's fragment map):
+  // chunk c = 2 mt + h is half h of its m64 tile mt.
+  const auto out_in_item = [&](int mt) { return grouped_out_in_item(GateUp, wg * kMT + mt, wi, g); };
+  std::uint32_t ring_row[kChunks];
 #pragma unroll
-  for (int c = 0; c < 4; ++c) ring_row[c] = grouped_ring_row(GateUp, wg, wi, g, c);
+  for (int c = 0; c < kChunks; ++c) ring_row[c] = grouped_ring_row(GateUp, wg * kMT + c / 2, wi, g, c % 2);
 
   std::uint32_t it = 0;
   for (std::uint32_t item = blockIdx.x; item < items; item += gridDim.x) {
     const GroupedItem w = grouped_item(item, tiles, row_blocks, p.tile_group);
     const int e = p.tile_expert[w.tile];
     const std::uint32_t first = GateUp ? w.row_block * 128 : w.row_block * kGroupedRows;
-    // Weight rows of the chunks in the expert (gate/up: ring rows 0..127 are gate rows).
+    // Weight rows of the chunks in the expert (gate/up: ring rows 0..127 are
+    // gate rows); LaneScales reads four rows, a one-tile consumer's twice.
     std::uint32_t rows[4];
 #pragma unroll
-    for (int c = 0; c < 4; ++c)
-      rows[c] =
-          GateUp ? (c % 2 == 0 ? p.gate_row0 : p.up_row0) + first + out_in_item(c / 2) : first + ring_row[c];
+    for (int c = 0; c < 4; ++c) {
+      const int cc = c % kChunks;
+      rows[c] = GateUp ? (cc % 2 == 0 ? p.gate_row0 : p.up_row0) + first + out_in_item(cc / 2)
+                       : first + ring_row[cc];
+    }
     const LaneScales<F, K> lane_scales(p.scales, expert_scales<K>(p.scales, e), rows, t);
     const auto load_words = [&](std::uint32_t kb) {
       uint4 v;
       v.x = __ldg(lane_scales.word(0, kb));
       v.y = __ldg(lane_scales.word(1, kb));
-      v.z = __ldg(lane_scales.word(2, kb));
-      v.w = __ldg(lane_scales.word(3, kb));
+      v.z = kMT == 2 ? __ldg(lane_scales.word(2, kb)) : v.x;
+      v.w = kMT == 2 ? __ldg(lane_scales.word(3, kb)) : v.y;
       return v;
     };
 
-    float acc[2][NT / 2];
+    float acc[kMT][NT / 2];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
       for (int v = 0; v < NT / 2; ++v) acc[mt][v] = 0.0f;
 
@@ -190,7 +202,7 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
     // A K block's operands in registers: the thread's weight words and bf16
     // scale pairs read from its stage.
     struct KOperands {
-      uint4 wq[4];
+      uint4 wq[kChunks];
       std::uint32_t sp[4][2];
       bool unfolded;  // warp-uniform: MXFP4 pairs without the 2^126 fold
     };
@@ -199,7 +211,7 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
       mbarrier_wait(&full[s], phase);
       const unsigned char* stage = smem + s * kSmem.stage_bytes;
 #pragma unroll
-      for (int c = 0; c < 4; ++c)
+      for (int c = 0; c < kChunks; ++c)
         o.wq[c] = *reinterpret_cast<const uint4*>(stage + ring_row[c] * 64 + std::uint32_t(t) * 16);
       std::uint32_t u[LaneScales<F, K>::kWords];
       lane_scales.gather(words, kb, u);
@@ -211,14 +223,14 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
       }
     };
     std::uint32_t prev_stage = 0;
-    // One K block from its operands: convert and issue its 8 k32 steps,
+    // One K block from its operands: convert and issue its k32 steps,
     // calling after_step(step) once each step's wait has returned.
     const auto k_steps = [&](std::uint32_t kb, const KOperands& o, const auto& after_step) {
       const std::uint32_t s = it % kStages;
       const std::uint32_t act = smem_u32(smem + s * kSmem.stage_bytes + kGroupedWeightStageBytes);
 #pragma unroll
-      for (int step = 0; step < 8; ++step) {
-        const int wd = step / 2, mt = step % 2;
+      for (int step = 0; step < kSteps; ++step) {
+        const int wd = step / kMT, mt = step % kMT;
         std::uint32_t(&a)[8] = frag[step % (kGroupedDepth + 1)];
         std::uint32_t lo[4], hi[4];
         const std::uint32_t qlo = (&o.wq[2 * mt].x)[wd], qhi = (&o.wq[2 * mt + 1].x)[wd];
@@ -282,7 +294,7 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
     wgmma_wait<0>();
     release(prev_stage);
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
       for (int v = 0; v < NT / 2; ++v) fence_operand(acc[mt][v]);
 
@@ -297,7 +309,7 @@ __global__ void __launch_bounds__(kGroupedThreads, 1)
         const int slot = tile_slots[8 * j + 2 * t + v];
         if (slot < 0) continue;
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
+        for (int mt = 0; mt < kMT; ++mt) {
           const std::uint32_t o = first + out_in_item(mt);
           const float r0 = acc[mt][4 * j + v] * gs, r1 = acc[mt][4 * j + 2 + v] * gs;
           if constexpr (GateUp) {

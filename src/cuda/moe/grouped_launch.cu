@@ -53,7 +53,7 @@ CUtensorMap weight_map(const GemmParams& p, std::uint32_t experts) {
 template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
 void grouped_launch(const CUtensorMap& map, const GemmParams& p, cudaStream_t stream) {
   launch_kernel("moe grouped GEMM", p.chained, &moe_grouped_kernel<F, K, GateUp, NT>, dim3(p.sm_count),
-                dim3(kGroupedThreads), grouped_smem(NT).total, stream, map, p);
+                dim3(grouped_consumers(NT).threads), grouped_smem(NT).total, stream, map, p);
 }
 
 }  // namespace
