@@ -20,7 +20,7 @@ inline constexpr int kGroupedTokenTiles[] = {16, 24, 32, 48, 64, 80, 96, 128};
 constexpr int kGroupedTokenTileCount = sizeof(kGroupedTokenTiles) / sizeof(kGroupedTokenTiles[0]);
 constexpr std::uint32_t kGroupedMinTile = 16, kGroupedMaxTile = 128;
 // The largest class whose consumers take one m64 tile each (grouped_consumers).
-constexpr int kGroupedMaxOneTileClass = 96;
+constexpr int kGroupedMaxOneTileClass = 80;
 
 constexpr std::uint32_t kGroupedRows = 256;  // weight rows per work item (gate/up: 128 gate + 128 up)
 constexpr std::uint32_t kGroupedKBlock = 128;
@@ -38,14 +38,18 @@ constexpr std::uint32_t kGroupedSmemLimit = 232448;
 struct GroupedConsumers {
   int m_tiles;        // m64 tiles per consumer warpgroup (1 or 2)
   int groups;         // consumer warpgroups: 4 / m_tiles
-  int producer_regs;  // setmaxnreg of the producer warpgroup ...
-  int consumer_regs;  // ... and of the consumers: 128 p + 128 groups c <= 65536
+  int producer_regs;  // setmaxnreg of the producer warpgroup and of the
+  int consumer_regs;  // consumers, within grouped_register_pool(threads)
   int threads;        // producer warpgroup + consumers
 };
 constexpr GroupedConsumers grouped_consumers(int nt) {
-  return nt <= kGroupedMaxOneTileClass ? GroupedConsumers{1, 4, 32, 120, 640}
+  return nt <= kGroupedMaxOneTileClass ? GroupedConsumers{1, 4, 32, 112, 640}
                                        : GroupedConsumers{2, 2, 40, 232, 384};
 }
+// Registers a CTA of `threads` holds from launch (one CTA per SM, each
+// thread's count a multiple of 8): setmaxnreg only moves registers within
+// it, so an increase beyond it would wait forever.
+constexpr int grouped_register_pool(int threads) { return threads * (65536 / threads / 8 * 8); }
 
 // Outputs of one work item: gate/up 128 (SiLU(gate) * up of 128 gate and
 // 128 up rows), down 256 rows.

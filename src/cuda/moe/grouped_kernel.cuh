@@ -79,8 +79,9 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
   constexpr GroupedConsumers kCons = grouped_consumers(NT);
   constexpr int kMT = kCons.m_tiles, kChunks = 2 * kMT, kSteps = 4 * kMT;  // k32 steps per K block
   static_assert(kMT * kCons.groups == 4 && kCons.threads == 128 * (1 + kCons.groups));
-  static_assert(128 * kCons.producer_regs + 128 * kCons.groups * kCons.consumer_regs <= 65536,
-                "register file");
+  static_assert(128 * kCons.producer_regs + 128 * kCons.groups * kCons.consumer_regs <=
+                    grouped_register_pool(kCons.threads),
+                "the warpgroups' registers fit the CTA's pool from launch");
   static_assert(kSteps % (kGroupedDepth + 1) == 0, "fragment buffers divide the steps of a K block");
   constexpr bool kFetchMidBlock = grouped_fetches_mid_block(NT), kFoldScales = kFetchMidBlock;
   static_assert(!kFetchMidBlock || (kMT == 2 && kGroupedFetchStep < kSteps));
