@@ -257,7 +257,7 @@ FileResult compress_file(const st::File& src, const fs::path& dest, const std::s
           tr.storage = std::string(storage.name);
           if (w) storage.write(*w, t->name, forms);
           info.csf.push_back(std::move(entry));
-          result.csf_parts[t->name] = storage.parts(t->name, cand->shape.format);
+          result.csf_parts[t->name] = stored_part_names(t->name, storage.storage, cand->shape.format);
         }
       }
       if (!stored_csf) info.native_kept[t->name] = {cand->shape.format, cand->layer, tr.reason};

@@ -254,8 +254,13 @@ std::uint64_t container_header_bound(const ContainerInfo& base, const std::vecto
     t.end = off;
     tens.push_back(std::move(t));
   };
-  // Every CSF candidate is counted with the longest storage name.
+  // Every CSF candidate is counted with the parts of every storage (through
+  // its bound_as; each part once, in table order) and the longest storage name.
   const auto storages = csf_storages();
+  std::vector<const CsfPart*> parts;
+  for (const CsfStorageSpec& s : storages)
+    for (const CsfPart* part : storage_spec(s.bound_as).parts)
+      if (std::find(parts.begin(), parts.end(), part) == parts.end()) parts.push_back(part);
   const CsfStorage longest_name =
       std::max_element(storages.begin(), storages.end(), [](const auto& a, const auto& b) {
         return a.name.size() < b.name.size();
@@ -266,19 +271,12 @@ std::uint64_t container_header_bound(const ContainerInfo& base, const std::vecto
     if (b.csf) {
       const CsfGeometry& g = *b.csf;
       const std::uint64_t values = std::uint64_t{g.shape.experts} * g.shape.rows * g.shape.cols;
-      const std::uint64_t rp = g.total_rows() + 1;
-      const std::uint64_t pi = std::uint64_t{g.partitions_per_expert} * g.shape.experts + 1;
-      const auto p = part_names(t->name);
-      push(p.fixed, st::Dtype::U8, g.fixed_bytes(), {g.fixed_bytes()});
-      push(p.exceptions, st::Dtype::U32, 4 * values, {values});
-      push(p.row_prefix, st::Dtype::U32, 4 * rp, {rp});
-      push(p.partition_index, st::Dtype::U32, 4 * pi, {pi});
-      // Or stored as planes: never more bytes than the resident parts above.
-      push(p.planes, st::Dtype::U8, g.fixed_bytes(), {g.fixed_bytes(), g.fixed_bytes()});
-      push(p.expert_exceptions, st::Dtype::U32, 4 * std::uint64_t{g.shape.experts}, {g.shape.experts});
-      // Or stored as MXFP4 slabs: slabs and escapes never more bytes than the fixed part.
-      push(p.slabs, st::Dtype::U8, g.fixed_bytes(), {g.fixed_bytes(), g.fixed_bytes()});
-      push(p.slab_escapes, st::Dtype::U8, g.fixed_bytes(), {g.fixed_bytes()});
+      // At most max_elements, so no dimension larger: the shape rule's rank of it.
+      for (const CsfPart* part : parts) {
+        const std::uint64_t n = part->max_elements(g);
+        push(part->name(t->name, g.shape.format), part->dtype, n * st::dtype_size(part->dtype),
+             std::vector<std::uint64_t>(part->shape(g, {}).size(), n));
+      }
       CsfEntry e;
       e.name = t->name;
       e.dtype = t->dtype;
@@ -371,7 +369,7 @@ CsfTensor load_csf_parts(const st::File& c, const CsfEntry& e, const std::string
   } catch (const InvalidArgument& x) {
     throw FormatError(fmt::format("{}: invalid grid in the descriptor: {}", what, x.what()));
   }
-  return storage_spec(e.storage).load(e, geometry, PartReader(c, what));
+  return storage_spec(e.storage).load(e, geometry, PartReader(c, e, geometry, what));
 }
 
 std::vector<std::uint8_t> decode_checked(const CsfTensor& enc, const CsfEntry& e, std::uint64_t nbytes,

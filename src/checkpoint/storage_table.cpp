@@ -19,12 +19,77 @@ std::span<const std::uint8_t> as_bytes(const std::vector<T>& v) {
   return {reinterpret_cast<const std::uint8_t*>(v.data()), v.size() * sizeof(T)};
 }
 
+// --- the parts: name, dtype, shape rule and header-bound count each ---------
+
+using Shape = std::vector<std::uint64_t>;
+
+std::uint64_t positions(const CsfGeometry& g) {
+  return std::uint64_t{g.shape.experts} * g.shape.rows * g.shape.cols;
+}
+std::uint64_t fixed_bytes(const CsfGeometry& g) { return g.fixed_bytes(); }
+std::uint64_t experts(const CsfGeometry& g) { return g.shape.experts; }
+std::uint64_t row_prefix_entries(const CsfGeometry& g) { return g.total_rows() + 1; }
+std::uint64_t partition_index_entries(const CsfGeometry& g) {
+  return std::uint64_t{g.partitions_per_expert} * g.shape.experts + 1;
+}
+// Each expert's 16-row slabs of `slab` bytes, one row each.
+Shape slab_rows(const CsfGeometry& g, std::uint64_t slab) {
+  return {std::uint64_t{g.shape.experts} * (g.shape.rows / plane_slab_rows), slab};
+}
+Shape plane_shape(const CsfGeometry& g, const PartCounts&) {
+  return slab_rows(g, plane_slab_bytes(g.shape.format, g.shape.cols));
+}
+Shape records_shape(const CsfGeometry&, const PartCounts& c) { return {c.records}; }
+Shape experts_shape(const CsfGeometry& g, const PartCounts&) { return {experts(g)}; }
+
+// The resident form's fixed slabs (padded), row prefix and partition index.
+constexpr CsfPart kFixed{[](const std::string& t, ScaleFormat) { return part_names(t).fixed; }, st::Dtype::U8,
+                         [](const CsfGeometry& g, const PartCounts&) { return Shape{g.fixed_bytes()}; },
+                         false, fixed_bytes};
+constexpr CsfPart kRowPrefix{
+    [](const std::string& t, ScaleFormat) { return part_names(t).row_prefix; }, st::Dtype::U32,
+    [](const CsfGeometry& g, const PartCounts&) { return Shape{row_prefix_entries(g)}; }, false,
+    row_prefix_entries};
+constexpr CsfPart kPartitionIndex{
+    [](const std::string& t, ScaleFormat) { return part_names(t).partition_index; }, st::Dtype::U32,
+    [](const CsfGeometry& g, const PartCounts&) { return Shape{partition_index_entries(g)}; }, false,
+    partition_index_entries};
+// The exception records (every storage but b12x's, which names them its own
+// way): at most one per position.
+constexpr CsfPart kExceptions{[](const std::string& t, ScaleFormat) { return part_names(t).exceptions; },
+                              st::Dtype::U32, records_shape, false, positions};
+// The records of each expert (planes and MXFP4 slabs).
+constexpr CsfPart kExpertExceptions{
+    [](const std::string& t, ScaleFormat) { return part_names(t).expert_exceptions; }, st::Dtype::U32,
+    experts_shape, false, experts};
+// b12x's canonical planes: per expert its 16-row slabs of bases and codes,
+// never more bytes than the resident fixed slabs.
+constexpr CsfPart kPlanes{[](const std::string& t, ScaleFormat) { return part_names(t).planes; },
+                          st::Dtype::U8, plane_shape, false, fixed_bytes};
+// The same planes and records under b12x / vLLM's names; the planes may be flat.
+constexpr CsfPart kB12xFixed{[](const std::string& t, ScaleFormat f) { return b12x_fixed_name(t, f); },
+                             st::Dtype::U8, plane_shape, true, fixed_bytes};
+constexpr CsfPart kB12xExceptions{
+    [](const std::string& t, ScaleFormat f) { return b12x_exceptions_name(t, f); }, st::Dtype::U32,
+    records_shape, false, positions};
+// MXFP4 planes in slab form and the bases of their escaped rows, neither
+// more bytes than the resident fixed slabs.
+constexpr CsfPart kSlabs{
+    [](const std::string& t, ScaleFormat) { return part_names(t).slabs; }, st::Dtype::U8,
+    [](const CsfGeometry& g, const PartCounts&) { return slab_rows(g, mxfp4_slab_bytes(g.shape.cols)); },
+    false, fixed_bytes};
+constexpr CsfPart kSlabEscapes{
+    [](const std::string& t, ScaleFormat) { return part_names(t).slab_escapes; }, st::Dtype::U8,
+    [](const CsfGeometry&, const PartCounts& c) { return Shape{c.escapes}; }, false, fixed_bytes};
+
+// Each storage's parts, in file order.
+constexpr const CsfPart* kResidentParts[] = {&kFixed, &kExceptions, &kRowPrefix, &kPartitionIndex};
+constexpr const CsfPart* kPlanesParts[] = {&kPlanes, &kExceptions, &kExpertExceptions};
+constexpr const CsfPart* kB12xParts[] = {&kB12xFixed, &kB12xExceptions};
+constexpr const CsfPart* kMxfp4SlabParts[] = {&kSlabs, &kSlabEscapes, &kExceptions, &kExpertExceptions};
+
 // --- resident: the resident form as is -------------------------------------
 
-std::vector<std::string> resident_parts(const std::string& tensor, ScaleFormat) {
-  const auto p = part_names(tensor);
-  return {p.fixed, p.exceptions, p.row_prefix, p.partition_index};
-}
 void write_resident(st::Writer& w, const std::string& tensor, const CsfForms& forms) {
   write_csf_parts(w, tensor, *forms.resident);
 }
@@ -33,14 +98,13 @@ std::uint64_t resident_bytes(const CsfForms& forms) { return forms.resident->enc
 // The resident parts as they are, validated.
 CsfTensor load_resident(const CsfEntry& e, const CsfGeometry& g, const PartReader& get) {
   const std::string& what = get.what();
-  const auto p = part_names(e.name);
+  const PartCounts counts{e.exceptions};
   CsfTensor t;
   t.geometry = g;
-  auto fixed = get(p.fixed, st::Dtype::U8, {g.fixed_bytes()});
-  auto exc = get(p.exceptions, st::Dtype::U32, {e.exceptions});
-  auto rp = get(p.row_prefix, st::Dtype::U32, {g.total_rows() + 1});
-  auto pi =
-      get(p.partition_index, st::Dtype::U32, {std::uint64_t{g.partitions_per_expert} * g.shape.experts + 1});
+  auto fixed = get(kFixed, counts);
+  auto exc = get(kExceptions, counts);
+  auto rp = get(kRowPrefix, counts);
+  auto pi = get(kPartitionIndex, counts);
   t.fixed.assign(fixed.begin(), fixed.end());
   auto load32 = [](std::span<const std::uint8_t> b, std::vector<std::uint32_t>& v) {
     v.resize(b.size() / 4);
@@ -59,10 +123,6 @@ CsfTensor load_resident(const CsfEntry& e, const CsfGeometry& g, const PartReade
 
 // --- planes: b12x's planes per expert, with a record count each ------------
 
-std::vector<std::string> planes_parts(const std::string& tensor, ScaleFormat) {
-  const auto p = part_names(tensor);
-  return {p.planes, p.exceptions, p.expert_exceptions};
-}
 void write_planes(st::Writer& w, const std::string& tensor, const CsfForms& forms) {
   write_csf_planes(w, tensor, forms.planes);
 }
@@ -85,20 +145,16 @@ CsfTensor load_planes(const CsfEntry& e, const CsfGeometry&, const PartReader& g
                                   what, to_string(g.format)));
   const std::uint64_t slab = slab_form ? mxfp4_slab_bytes(g.cols) : plane_slab_bytes(g.format, g.cols);
   const std::uint64_t slabs = g.rows / plane_slab_rows;
-  const auto p = part_names(e.name);
   const bool b12x = storage.naming == CsfNaming::b12x;
   if (b12x && g.experts != 1)
     throw FormatError(
         fmt::format("{}: b12x planes hold one expert projection, the grid says {}", what, g.experts));
-  const auto planes = get(b12x        ? b12x_fixed_name(e.name, g.format)
-                          : slab_form ? p.slabs
-                                      : p.planes,
-                          st::Dtype::U8, {std::uint64_t{g.experts} * slabs, slab}, /*flat_ok=*/b12x);
-  const auto records =
-      get(b12x ? b12x_exceptions_name(e.name, g.format) : p.exceptions, st::Dtype::U32, {e.exceptions});
+  const PartCounts part_counts{e.exceptions};
+  const auto planes = get(b12x ? kB12xFixed : slab_form ? kSlabs : kPlanes, part_counts);
+  const auto records = get(b12x ? kB12xExceptions : kExceptions, part_counts);
   std::vector<std::uint32_t> counts(g.experts, static_cast<std::uint32_t>(e.exceptions));
   if (!b12x) {
-    const auto counts_raw = get(p.expert_exceptions, st::Dtype::U32, {g.experts});
+    const auto counts_raw = get(kExpertExceptions, part_counts);
     if (!counts.empty()) std::memcpy(counts.data(), counts_raw.data(), counts_raw.size());
   }
   const auto records_raw = [&](std::uint64_t i) { return records.data() + 4 * i; };
@@ -118,7 +174,7 @@ CsfTensor load_planes(const CsfEntry& e, const CsfGeometry&, const PartReader& g
                                            fmt::format("{} expert {}", what, x));
       escape_total += escapes[x];
     }
-    const auto escape_bytes = get(p.slab_escapes, st::Dtype::U8, {escape_total});
+    const auto escape_bytes = get(kSlabEscapes, {e.exceptions, escape_total});
     std::vector<std::uint32_t> expert_records;
     std::uint64_t escape_at = 0;
     for (std::uint32_t x = 0; x < g.experts; ++x) {
@@ -149,9 +205,6 @@ CsfTensor load_planes(const CsfEntry& e, const CsfGeometry&, const PartReader& g
 
 // --- b12x: one expert projection's planes under b12x / vLLM's names --------
 
-std::vector<std::string> b12x_parts(const std::string& tensor, ScaleFormat format) {
-  return {b12x_fixed_name(tensor, format), b12x_exceptions_name(tensor, format)};
-}
 void write_b12x(st::Writer& w, const std::string& tensor, const CsfForms& forms) {
   write_b12x_planes(w, tensor, forms.planes.front());
 }
@@ -161,10 +214,6 @@ std::uint64_t b12x_bytes(const CsfForms& forms) {
 
 // --- mxfp4_slab: MXFP4 planes in slab form ---------------------------------
 
-std::vector<std::string> mxfp4_slab_parts(const std::string& tensor, ScaleFormat) {
-  const auto p = part_names(tensor);
-  return {p.slabs, p.slab_escapes, p.exceptions, p.expert_exceptions};
-}
 void write_mxfp4_slab(st::Writer& w, const std::string& tensor, const CsfForms& forms) {
   write_csf_mxfp4_slabs(w, tensor, forms.mxfp4_slabs);
 }
@@ -175,14 +224,14 @@ std::uint64_t mxfp4_slab_stored_bytes(const CsfForms& forms) {
 // --- the table -------------------------------------------------------------
 
 constexpr std::array<CsfStorageSpec, 4> kStorages{{
-    {CsfStorage::resident, "resident", 0, CsfPayload::resident, CsfNaming::container, resident_parts,
-     write_resident, resident_bytes, load_resident},
-    {CsfStorage::planes, "planes", 2, CsfPayload::planes, CsfNaming::container, planes_parts, write_planes,
-     planes_bytes, load_planes},
-    {CsfStorage::b12x, "b12x", 2, CsfPayload::planes, CsfNaming::b12x, b12x_parts, write_b12x, b12x_bytes,
-     load_planes},
-    {CsfStorage::mxfp4_slab, "mxfp4_slab", 3, CsfPayload::mxfp4_slab, CsfNaming::container, mxfp4_slab_parts,
-     write_mxfp4_slab, mxfp4_slab_stored_bytes, load_planes},
+    {CsfStorage::resident, "resident", 0, CsfPayload::resident, CsfNaming::container, kResidentParts,
+     CsfStorage::resident, write_resident, resident_bytes, load_resident},
+    {CsfStorage::planes, "planes", 2, CsfPayload::planes, CsfNaming::container, kPlanesParts,
+     CsfStorage::planes, write_planes, planes_bytes, load_planes},
+    {CsfStorage::b12x, "b12x", 2, CsfPayload::planes, CsfNaming::b12x, kB12xParts, CsfStorage::planes,
+     write_b12x, b12x_bytes, load_planes},
+    {CsfStorage::mxfp4_slab, "mxfp4_slab", 3, CsfPayload::mxfp4_slab, CsfNaming::container, kMxfp4SlabParts,
+     CsfStorage::mxfp4_slab, write_mxfp4_slab, mxfp4_slab_stored_bytes, load_planes},
 }};
 
 constexpr bool in_enum_order() {
@@ -215,14 +264,18 @@ std::string_view to_string(CsfStorage s) { return storage_spec(s).name; }
 
 std::vector<std::string> stored_part_names(const std::string& tensor, CsfStorage storage,
                                            ScaleFormat format) {
-  return storage_spec(storage).parts(tensor, format);
+  std::vector<std::string> names;
+  for (const CsfPart* part : storage_spec(storage).parts) names.push_back(part->name(tensor, format));
+  return names;
 }
 
-std::span<const std::uint8_t> PartReader::operator()(const std::string& n, st::Dtype d,
-                                                     const std::vector<std::uint64_t>& shape,
-                                                     bool flat_ok) const {
+std::span<const std::uint8_t> PartReader::operator()(const CsfPart& part, const PartCounts& counts) const {
   const std::string& what = what_;
   const st::File& c = file_;
+  const std::string n = part.name(entry_.name, entry_.grid.format);
+  const st::Dtype d = part.dtype;
+  const std::vector<std::uint64_t> shape = part.shape(geometry_, counts);
+  const bool flat_ok = part.flat_ok;
   const st::TensorInfo* ti = c.find(n);
   if (!ti) throw FormatError(fmt::format("{}: CSF part '{}' is missing", what, n));
   if (ti->dtype != d)

@@ -2,9 +2,12 @@
 // is the spec). A storage is a payload (what its bytes hold) under a naming
 // (whose tensor names its parts take); its entry says which container
 // version first holds it, its part tensors, and how they are written,
-// counted and loaded. The descriptor's parse and version stamp, the stored
-// part names, compress's byte counts and writers, and the loader all read
-// this table: adding a storage is a CsfStorage value (container.hpp) and its
+// counted and loaded. Each part is one descriptor (CsfPart): its name, its
+// dtype, its exact shape as a function of the grid and counts, and its
+// largest element count for the header bound. The descriptor's parse and
+// version stamp, the stored part names, the header bound, compress's byte
+// counts and writers, and the loaders all read this table: adding a storage
+// is a CsfStorage value (container.hpp), its parts' descriptors and its
 // entry in storage_table.cpp.
 #pragma once
 
@@ -32,19 +35,43 @@ struct CsfForms {
   std::span<const Mxfp4SlabPlanes> mxfp4_slabs;  // per expert
 };
 
+// What a part's shape depends on besides the grid: the descriptor's record
+// count and, for the slab escapes, the escape count read from the slabs.
+struct PartCounts {
+  std::uint64_t records = 0;
+  std::uint64_t escapes = 0;
+};
+
+// One part tensor of a CSF storage. Parts that several storages share (the
+// records, the per-expert record counts) are one descriptor.
+struct CsfPart {
+  // Its tensor name for scale tensor `tensor` (part_names, or b12x's names).
+  std::string (*name)(const std::string& tensor, ScaleFormat format);
+  st::Dtype dtype;
+  // The exact shape the loader accepts, from the descriptor's grid
+  // (`g.shape`, already checked) and counts.
+  std::vector<std::uint64_t> (*shape)(const CsfGeometry& g, const PartCounts& counts);
+  // Also accepted stored flat, [product of the shape] (b12x's fixed plane: see foreign_b12x).
+  bool flat_ok;
+  // At most this many elements for any counts, hence no dimension larger:
+  // what the container header bound reserves (from the geometry alone).
+  std::uint64_t (*max_elements)(const CsfGeometry& g);
+};
+
 // Reads the part tensors of one CSF tensor from a container, checking each
-// one's dtype and shape: FormatError starting with `what` (file and tensor).
+// one's dtype and shape against its descriptor: FormatError starting with
+// `what` (file and tensor) and naming the part.
 class PartReader {
  public:
-  PartReader(const st::File& file, std::string what) : file_(file), what_(std::move(what)) {}
-  // `flat_ok`: a b12x fixed plane may also be stored flat, U8 [n] (see foreign_b12x).
-  std::span<const std::uint8_t> operator()(const std::string& name, st::Dtype dtype,
-                                           const std::vector<std::uint64_t>& shape,
-                                           bool flat_ok = false) const;
+  PartReader(const st::File& file, const CsfEntry& entry, const CsfGeometry& geometry, std::string what)
+      : file_(file), entry_(entry), geometry_(geometry), what_(std::move(what)) {}
+  std::span<const std::uint8_t> operator()(const CsfPart& part, const PartCounts& counts) const;
   const std::string& what() const { return what_; }
 
  private:
   const st::File& file_;
+  const CsfEntry& entry_;
+  const CsfGeometry& geometry_;
   std::string what_;
 };
 
@@ -56,8 +83,12 @@ struct CsfStorageSpec {
   int min_version;
   CsfPayload payload;
   CsfNaming naming;
-  // Its part tensor names for scale tensor `tensor`, in file order.
-  std::vector<std::string> (*parts)(const std::string& tensor, ScaleFormat format);
+  // Its part tensors, in file order.
+  std::span<const CsfPart* const> parts;
+  // The storage whose parts container_header_bound counts for this one:
+  // itself, or one whose header entries are never shorter (b12x: planes,
+  // three parts for the same payload that b12x stores in two).
+  CsfStorage bound_as;
   // Writes its parts of `tensor`; stored_bytes: the bytes they take.
   void (*write)(st::Writer& w, const std::string& tensor, const CsfForms& forms);
   std::uint64_t (*stored_bytes)(const CsfForms& forms);
