@@ -74,6 +74,14 @@ bool configure_grouped_kernels(int device) {
     for_each_value(DenseScaleKinds{}, [&]<ScaleKind K>() {
       for_each_value(Projections{}, [&]<bool GateUp>() {
         for_each_value(GroupedTokenTiles{}, [&]<int NT>() {
+          // setmaxnreg.inc waits until the registers are free in the pool the
+          // CTA got at launch: a split beyond it would hang, so such a build
+          // leaves the grouped kernels unused.
+          cudaFuncAttributes attr{};
+          CSFMOE_CUDA_CHECK_WHAT(cudaFuncGetAttributes(&attr, &moe_grouped_kernel<F, K, GateUp, NT>),
+                                 "read the grouped MoE kernels' attributes");
+          constexpr GroupedConsumers c = grouped_consumers(NT);
+          fits = fits && 128 * c.producer_regs + 128 * c.groups * c.consumer_regs <= c.threads * attr.numRegs;
           CSFMOE_CUDA_CHECK_WHAT(
               cudaFuncSetAttribute(&moe_grouped_kernel<F, K, GateUp, NT>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(grouped_smem(NT).total)),
@@ -83,7 +91,7 @@ bool configure_grouped_kernels(int device) {
       });
     });
   });
-  return true;
+  return fits;
 }
 
 void launch_grouped(ScaleFormat f, bool gate_up, std::uint32_t token_tile, std::uint32_t experts,
