@@ -303,29 +303,71 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
     // (row g + 8, same token) of the warp's m16 tile.
     const float gs = (p.global ? p.global[e] : 1.0f) * kDecodeUnfold<F>;
     const int* tile_slots = p.sorted_slot + std::uint64_t(w.tile) * NT;
+    if (GateUp || p.slot_out16 != nullptr) {
+      // bf16 outputs leave in pairs of adjacent columns, one 4-byte store per
+      // pair: the lane groups g and g ^ kPairBit hold neighbouring columns
+      // (gate/up: its K-permuted act columns; down: rows g, g + 1) of the same
+      // two tokens, and each trades its values of token 1 - b for its
+      // partner's of token b (b = its bit kPairBit), so it holds both columns
+      // of token b. All lanes take part in the shuffles; padding slots only
+      // skip the store.
+      constexpr int kPairBit = GateUp ? 4 : 1;
+      constexpr unsigned kAll = 0xFFFFFFFFu;
+      // The lane's coordinates again, computed here: held from the start they
+      // would cost the 128-row tile registers beside its accumulators.
+      const int el = lane_id_here(), eg = el / 4, et = el % 4;
+      const int b = (eg & kPairBit) != 0 ? 1 : 0;
 #pragma unroll
-    for (int j = 0; j < NT / 8; ++j) {
-#pragma unroll
-      for (int v = 0; v < 2; ++v) {
-        const int slot = tile_slots[8 * j + 2 * t + v];
-        if (slot < 0) continue;
+      for (int j = 0; j < NT / 8; ++j) {
+        const int slot = tile_slots[8 * j + 2 * et + b];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          const std::uint32_t o = first + out_in_item(mt);
-          const float r0 = acc[mt][4 * j + v] * gs, r1 = acc[mt][4 * j + 2 + v] * gs;
+          const std::uint32_t o = first + grouped_out_in_item(GateUp, wg * kMT + mt, wi, eg);
+          const float g0 = acc[mt][4 * j] * gs, g1 = acc[mt][4 * j + 1] * gs;      // row g, tokens 0 / 1
+          const float h0 = acc[mt][4 * j + 2] * gs, h1 = acc[mt][4 * j + 3] * gs;  // row g + 8
           if constexpr (GateUp) {
-            const __nv_bfloat16 y = __float2bfloat16_rn(SiluMul::apply(r0, r1));
-            p.act[std::uint64_t(slot) * p.n + prefill_permuted_column(o)] =
-                *reinterpret_cast<const std::uint16_t*>(&y);
-          } else if (p.slot_out16 != nullptr) {
-            std::uint16_t* out = p.slot_out16 + std::uint64_t(slot) * p.out_rows;
-            const __nv_bfloat16 y0 = __float2bfloat16_rn(r0), y1 = __float2bfloat16_rn(r1);
-            out[o] = *reinterpret_cast<const std::uint16_t*>(&y0);
-            out[o + 8] = *reinterpret_cast<const std::uint16_t*>(&y1);
+            const float y0 = SiluMul::apply(g0, h0), y1 = SiluMul::apply(g1, h1);
+            const float theirs = __shfl_xor_sync(kAll, b ? y0 : y1, 4 * kPairBit);
+            const float mine = b ? y1 : y0;
+            const __nv_bfloat162 pair =
+                b ? __floats2bfloat162_rn(theirs, mine) : __floats2bfloat162_rn(mine, theirs);
+            // The pair's first column: the b = 0 lane's output, its K-permuted slot even.
+            if (slot >= 0)
+              *reinterpret_cast<__nv_bfloat162*>(p.act + std::uint64_t(slot) * p.n +
+                                                 prefill_permuted_column(o & ~std::uint32_t(kPairBit))) =
+                  pair;
           } else {
+            const __nv_bfloat162 sent = b ? __floats2bfloat162_rn(g0, h0) : __floats2bfloat162_rn(g1, h1);
+            std::uint32_t bits = *reinterpret_cast<const std::uint32_t*>(&sent);
+            bits = __shfl_xor_sync(kAll, bits, 4 * kPairBit);
+            const __nv_bfloat162 got = *reinterpret_cast<const __nv_bfloat162*>(&bits);
+            const __nv_bfloat16 m_lo = __float2bfloat16_rn(b ? g1 : g0),
+                                m_hi = __float2bfloat16_rn(b ? h1 : h0);
+            const __nv_bfloat162 lo = b ? __halves2bfloat162(got.x, m_lo) : __halves2bfloat162(m_lo, got.x);
+            const __nv_bfloat162 hi = b ? __halves2bfloat162(got.y, m_hi) : __halves2bfloat162(m_hi, got.y);
+            if (slot >= 0) {
+              // Rows o - b, o - b + 1 and the same 8 rows below.
+              auto* out = reinterpret_cast<__nv_bfloat162*>(p.slot_out16 + std::uint64_t(slot) * p.out_rows +
+                                                            (o - b));
+              out[0] = lo;
+              out[4] = hi;
+            }
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < NT / 8; ++j) {
+#pragma unroll
+        for (int v = 0; v < 2; ++v) {
+          const int slot = tile_slots[8 * j + 2 * t + v];
+          if (slot < 0) continue;
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            const std::uint32_t o = first + out_in_item(mt);
             float* out = p.slot_out + std::uint64_t(slot) * p.out_rows;
-            out[o] = r0;
-            out[o + 8] = r1;
+            out[o] = acc[mt][4 * j + v] * gs;
+            out[o + 8] = acc[mt][4 * j + 2 + v] * gs;
           }
         }
       }

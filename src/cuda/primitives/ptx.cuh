@@ -9,6 +9,14 @@
 
 namespace csfmoe::ptx {
 
+// The lane index, read where it is used: a volatile read keeps values
+// derived from it out of registers across the loops before it.
+__device__ __forceinline__ int lane_id_here() {
+  int lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return lane;
+}
+
 // 16-byte global -> shared copy that bypasses L1 (.cg): streamed data.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
