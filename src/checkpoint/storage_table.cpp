@@ -289,19 +289,34 @@ std::span<const std::uint8_t> PartReader::operator()(const CsfPart& part, const 
   return c.data(*ti);
 }
 
+namespace {
+
+// A part tensor as the writers store it: its name and dtype from its
+// descriptor, its shape that of the data written (the loaders' shape rules
+// check it on the way back).
+void add_part(st::Writer& w, const CsfPart& part, const std::string& tensor, ScaleFormat format,
+              std::vector<std::uint64_t> shape, std::span<const std::uint8_t> bytes) {
+  w.add_tensor(part.name(tensor, format), part.dtype, std::move(shape), bytes);
+}
+void begin_part(st::Writer& w, const CsfPart& part, const std::string& tensor, ScaleFormat format,
+                std::vector<std::uint64_t> shape) {
+  w.begin_tensor(part.name(tensor, format), part.dtype, std::move(shape));
+}
+
+}  // namespace
+
 void write_csf_parts(st::Writer& w, const std::string& name, const CsfTensor& t) {
-  const auto p = part_names(name);
-  w.add_tensor(p.fixed, st::Dtype::U8, {t.fixed.size()}, t.fixed);
-  w.add_tensor(p.exceptions, st::Dtype::U32, {t.exceptions.size()}, as_bytes(t.exceptions));
-  w.add_tensor(p.row_prefix, st::Dtype::U32, {t.row_prefix.size()}, as_bytes(t.row_prefix));
-  w.add_tensor(p.partition_index, st::Dtype::U32, {t.partition_index.size()}, as_bytes(t.partition_index));
+  const ScaleFormat f = t.geometry.shape.format;
+  add_part(w, kFixed, name, f, {t.fixed.size()}, t.fixed);
+  add_part(w, kExceptions, name, f, {t.exceptions.size()}, as_bytes(t.exceptions));
+  add_part(w, kRowPrefix, name, f, {t.row_prefix.size()}, as_bytes(t.row_prefix));
+  add_part(w, kPartitionIndex, name, f, {t.partition_index.size()}, as_bytes(t.partition_index));
 }
 
 void write_csf_planes(st::Writer& w, const std::string& name, std::span<const CsfPlanes> experts) {
-  const auto p = part_names(name);
   const PlaneShape s = experts.empty() ? PlaneShape{} : experts.front().shape;
   const std::uint64_t slab = plane_slab_bytes(s.format, s.cols);
-  w.begin_tensor(p.planes, st::Dtype::U8, {experts.size() * (s.rows / plane_slab_rows), slab});
+  begin_part(w, kPlanes, name, s.format, {experts.size() * (s.rows / plane_slab_rows), slab});
   for (const auto& e : experts) w.write(e.fixed);
   w.end_tensor();
   std::vector<std::uint32_t> counts;
@@ -310,10 +325,10 @@ void write_csf_planes(st::Writer& w, const std::string& name, std::span<const Cs
     counts.push_back(static_cast<std::uint32_t>(e.exceptions.size()));
     records += e.exceptions.size();
   }
-  w.begin_tensor(p.exceptions, st::Dtype::U32, {records});
+  begin_part(w, kExceptions, name, s.format, {records});
   for (const auto& e : experts) w.write(as_bytes(e.exceptions));
   w.end_tensor();
-  w.add_tensor(p.expert_exceptions, st::Dtype::U32, {counts.size()}, as_bytes(counts));
+  add_part(w, kExpertExceptions, name, s.format, {counts.size()}, as_bytes(counts));
 }
 
 std::uint64_t planes_stored_bytes(std::span<const CsfPlanes> experts) {
@@ -323,10 +338,9 @@ std::uint64_t planes_stored_bytes(std::span<const CsfPlanes> experts) {
 }
 
 void write_csf_mxfp4_slabs(st::Writer& w, const std::string& name, std::span<const Mxfp4SlabPlanes> experts) {
-  const auto p = part_names(name);
   const PlaneShape s = experts.empty() ? PlaneShape{ScaleFormat::mxfp4, 0, 0} : experts.front().shape;
-  w.begin_tensor(p.slabs, st::Dtype::U8,
-                 {experts.size() * (s.rows / plane_slab_rows), mxfp4_slab_bytes(s.cols)});
+  begin_part(w, kSlabs, name, s.format,
+             {experts.size() * (s.rows / plane_slab_rows), mxfp4_slab_bytes(s.cols)});
   for (const auto& e : experts) w.write(e.slabs);
   w.end_tensor();
   std::uint64_t escapes = 0, records = 0;
@@ -336,21 +350,20 @@ void write_csf_mxfp4_slabs(st::Writer& w, const std::string& name, std::span<con
     records += e.exceptions.size();
     counts.push_back(static_cast<std::uint32_t>(e.exceptions.size()));
   }
-  w.begin_tensor(p.slab_escapes, st::Dtype::U8, {escapes});
+  begin_part(w, kSlabEscapes, name, s.format, {escapes});
   for (const auto& e : experts) w.write(e.escapes);
   w.end_tensor();
-  w.begin_tensor(p.exceptions, st::Dtype::U32, {records});
+  begin_part(w, kExceptions, name, s.format, {records});
   for (const auto& e : experts) w.write(as_bytes(e.exceptions));
   w.end_tensor();
-  w.add_tensor(p.expert_exceptions, st::Dtype::U32, {counts.size()}, as_bytes(counts));
+  add_part(w, kExpertExceptions, name, s.format, {counts.size()}, as_bytes(counts));
 }
 
 void write_b12x_planes(st::Writer& w, const std::string& name, const CsfPlanes& planes) {
   const PlaneShape& s = planes.shape;
-  w.add_tensor(b12x_fixed_name(name, s.format), st::Dtype::U8,
-               {s.rows / plane_slab_rows, plane_slab_bytes(s.format, s.cols)}, planes.fixed);
-  w.add_tensor(b12x_exceptions_name(name, s.format), st::Dtype::U32, {planes.exceptions.size()},
-               as_bytes(planes.exceptions));
+  add_part(w, kB12xFixed, name, s.format, {s.rows / plane_slab_rows, plane_slab_bytes(s.format, s.cols)},
+           planes.fixed);
+  add_part(w, kB12xExceptions, name, s.format, {planes.exceptions.size()}, as_bytes(planes.exceptions));
 }
 
 }  // namespace csfmoe::detail
