@@ -117,6 +117,37 @@ struct MoeDecodeShape {
   std::uint32_t smem_bytes = 0;     // dynamic shared memory per block
 };
 
+// How a routed call (MoeScaleMode::routed) rebuilds its routed experts' CSF
+// scales in the scratch, chosen from the number of routed ids R = T * k
+// against E by one rule (routed_expansion, b12x's thresholds):
+//   all_experts    R >= kExpandAllIdsPerExpert * E: nearly every expert is
+//                  hit, so expanding all of them costs no more than finding
+//                  the routed ones, and skips reading R ids per block;
+//   presence_mask  R >= kExpandMaskMinIds: a bitmap of the routed experts,
+//                  built from the ids, drives the expansion;
+//   dedupe_scan    fewer ids: a scan that dedupes the few ids directly
+//                  (decode calls, T = 1..8 on most models);
+//   none           the call expands nothing (not routed, or no routed ids).
+enum class RoutedExpansion : std::uint8_t { none, all_experts, presence_mask, dedupe_scan };
+const char* to_string(RoutedExpansion s);
+
+// Routed ids per expert from which a call expands every expert.
+inline constexpr std::uint64_t kExpandAllIdsPerExpert = 16;
+// Routed ids from which a call builds a presence mask instead of deduping.
+inline constexpr std::uint64_t kExpandMaskMinIds = 64;
+
+// The strategy for T = tokens with top-k = topk over `experts` experts (never
+// none; 0 tokens give dedupe_scan, which expands nothing). T * k saturates
+// instead of wrapping. Throws InvalidArgument for experts or topk 0, or topk
+// > experts (a token routes to k distinct experts).
+RoutedExpansion routed_expansion(std::uint64_t tokens, std::uint32_t topk, std::uint32_t experts);
+
+// The strategy the GPU codec runs for a chosen one: all_experts runs the
+// expand-all kernel (expand_scales), presence_mask the routed kernel (its
+// blocks build a bitmap of the ids); the dedupe-scan kernel is not written,
+// so dedupe_scan runs as presence_mask (docs/moe-api.md).
+RoutedExpansion routed_expansion_kernel(RoutedExpansion chosen);
+
 struct MoeCallPlan {
   MoeScaleMode mode = MoeScaleMode::native;
   MoeKernel kernel = MoeKernel::tiled;
@@ -132,6 +163,11 @@ struct MoeCallPlan {
   bool bf16_slots = false;
   MoeDecodeShape gate_up, down;  // decode kernel only
   bool programmatic_launch = false;
+  // Routed mode: the expansion strategy the rule chose (routed_expansion)
+  // and the one the call launches (routed_expansion_kernel of it); none for
+  // the other modes and for calls of 0 tokens.
+  RoutedExpansion expansion = RoutedExpansion::none;
+  RoutedExpansion expansion_kernel = RoutedExpansion::none;
 };
 
 // The plan of a call of T = tokens on a layer bound with `scales_expanded`
@@ -148,6 +184,7 @@ struct MoeCallPlan {
 //   token tile (grouped): grouped_token_tile, else the measured table by T * k / E
 //     (grouped_token_tile in src/moe/grouped_shape.hpp).
 //   token pass: 8 while T <= 32 or T * k <= 4 * E, 16 while T <= 512, else 32.
+//   expansion (routed mode, T > 0): routed_expansion(T, k, E).
 // Throws InvalidArgument for invalid options.tuning or grouped_token_tile.
 MoeCallPlan plan_call(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint32_t tokens,
                       bool scales_expanded, bool has_scratch, const MoeBindOptions& options);

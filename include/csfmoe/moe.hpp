@@ -7,8 +7,11 @@
 // Semantics of one layer call, for T tokens, top-k slots per token:
 //   for each token t and slot j (expert e = topk_ids[t, j], weight w = topk_weights[t, j]):
 //     gu   = W13[e] x hidden[t]           (2N outputs; halves gate and up, order w13 or w31)
-//     act  = SiLU(gate) * up               (N values)
+//     gu  += b13[e]                        (gpt-oss activation only, optional)
+//     act  = SiLU(gate) * up               (N values; or gpt-oss's clamped SwiGLU,
+//                                           csfmoe/detail/activation.hpp)
 //     y    = W2[e] x act                   (H outputs)
+//     y   += b2[e]                          (gpt-oss activation only, optional)
 //     out[t] += w * y                      (slots summed in slot order)
 // Duplicate expert ids inside one token are separate slots: each one adds its
 // own weighted contribution. Ids outside [0, E) are rejected by the host
@@ -22,6 +25,7 @@
 #include <vector>
 
 #include "csfmoe/codec.hpp"
+#include "csfmoe/detail/activation.hpp"
 #include "csfmoe/formats.hpp"
 
 namespace csfmoe {
@@ -42,11 +46,17 @@ enum class MoeScaleMode : std::uint8_t {
 std::string_view to_string(GateUpOrder o) noexcept;
 std::string_view to_string(ScaleCompression c) noexcept;
 std::string_view to_string(MoeScaleMode m) noexcept;
+std::string_view to_string(MoeActivation a) noexcept;
 // Parse "w13"/"w31", "none"/"csf", "native"/"expanded"/"routed"/"stage_read";
 // throw InvalidArgument listing the accepted names otherwise.
 GateUpOrder parse_gate_up_order(std::string_view s);
 ScaleCompression parse_scale_compression(std::string_view s);
 MoeScaleMode parse_moe_scale_mode(std::string_view s);
+// "silu" / "gpt_oss".
+MoeActivation parse_moe_activation(std::string_view s);
+// Throws InvalidArgument for an unknown kind, or for gpt_oss an alpha or
+// limit that is not finite and > 0.
+void validate(const MoeActivationSpec& activation);
 
 struct MoeLayerGeometry {
   std::uint32_t experts = 0;       // E
@@ -54,6 +64,10 @@ struct MoeLayerGeometry {
   std::uint32_t intermediate = 0;  // N (per-expert intermediate size)
   std::uint32_t topk = 0;          // k slots per token
   GateUpOrder order = GateUpOrder::w13;
+  // The gate/up activation (csfmoe/detail/activation.hpp). The CPU reference
+  // computes both; the GPU kernels compute silu only, so prepare_weights
+  // refuses a gpt_oss layer (Unsupported) until its epilogue is instantiated.
+  MoeActivationSpec activation;
 };
 
 struct MoeConstraints {
@@ -87,7 +101,8 @@ struct MoePlan {
 // Validate and derive. Throws InvalidArgument naming the offending field:
 // E in [1, 1024], k in [1, 64], H and N non-zero multiples of 64, 2N*H/g and
 // H*N/g positions per expert below 2^24 when compression is csf, max_tokens
-// in [1, 2^31 / k), known format, order and layout.
+// in [1, 2^31 / k), known format, order, layout and activation, and for
+// gpt_oss a finite alpha > 0 and a finite limit > 0.
 MoePlan plan_weights(ScaleFormat source_format, const MoeLayerGeometry& geometry,
                      const MoeConstraints& constraints);
 
@@ -103,6 +118,10 @@ struct MoeHostWeights {
   std::vector<std::uint8_t> w2;          // [E, H, N/2]
   std::vector<std::uint8_t> w2_scales;   // [E, H, N/g]
   std::vector<float> w2_global;          // [E]
+  // Expert biases, gpt_oss activation only (empty: none): w13_bias [E, 2N] in
+  // the w13 row order (gate then up, or up then gate for w31), w2_bias [E, H].
+  std::vector<float> w13_bias;
+  std::vector<float> w2_bias;
 };
 
 // Throws InvalidArgument naming the member whose size disagrees with the geometry.
@@ -120,7 +139,8 @@ std::vector<std::uint8_t> relayout_scales(const GridShape& row_major_shape, std:
                                           ScaleLayout layout);
 
 // CPU reference: float64 accumulation over exactly dequantized weights
-// (e2m1 * scale * global in float64) and bf16 inputs, SiLU in float64,
+// (e2m1 * scale * global in float64) and bf16 inputs, the geometry's
+// activation (apply_activation<double>) and the biases in float64,
 // multithreaded over tokens (threads 0: all cores). hidden is bf16 bits
 // [T, H]; ids/weights are [T, k]; out is [T, H] float. Throws
 // InvalidArgument for wrong sizes or an id outside [0, E) (naming token and slot).

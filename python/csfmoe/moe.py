@@ -16,7 +16,7 @@ from . import ops
 from ._errors import InvalidArgument, Unsupported
 from .scales import CsfScales
 
-__all__ = ["moe_reference", "fused_moe", "PreparedExperts", "plan_moe", "prepare_experts", "moe_call"]
+__all__ = ["moe_activation", "moe_reference", "fused_moe", "PreparedExperts", "plan_moe", "prepare_experts", "moe_call"]
 
 _FP32 = (torch.float32,)
 
@@ -57,6 +57,30 @@ def _check_layer(hidden, w13, w13_scale, w13_global, w2, w2_scale, w2_global, to
         raise InvalidArgument(f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} "
                               f"must both be [T={t}, k]")
     return e, h, n, int(topk_ids.shape[1])
+
+
+ACTIVATIONS = ("silu", "gpt_oss")
+
+
+def moe_activation(gate_up: torch.Tensor, activation: str = "silu", alpha: float = 1.702,
+                   limit: float = 7.0) -> torch.Tensor:
+    """The library's gate/up activation (csfmoe/detail/activation.hpp, the one
+    the C++ reference applies) in float64 on the CPU: gate_up [..., 2N]
+    holds gate in [..., :N] and up in [..., N:] (de-interleaved; biases
+    already added); returns [..., N] float64. "silu": SiLU(gate) * up;
+    "gpt_oss": (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+    g = min(gate, limit), NaN kept."""
+    if activation not in ACTIVATIONS:
+        raise InvalidArgument(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    if gate_up.device.type != "cpu" or gate_up.shape[-1] % 2:
+        raise InvalidArgument(f"gate_up: expected a CPU tensor [..., 2N], got {list(gate_up.shape)} on "
+                              f"{gate_up.device}")
+    n = gate_up.shape[-1] // 2
+    x = gate_up.to(torch.float64)
+    gate, up = x[..., :n].contiguous(), x[..., n:].contiguous()
+    out = torch.empty(gate.shape, dtype=torch.float64)
+    _C.moe_activation(gate, up, out, activation, float(alpha), float(limit))
+    return out
 
 
 @torch.library.custom_op("csfmoe::moe_reference", mutates_args=())

@@ -182,6 +182,35 @@ void bind_moe(nb::module_& m) {
       nb::arg("format"), nb::arg("experts"), nb::arg("hidden"), nb::arg("intermediate"), nb::arg("topk"),
       nb::arg("order"), nb::arg("seed"), nb::arg("fast") = false);
 
+  // The library's activation (csfmoe/detail/activation.hpp) in float64 over
+  // matching gate and up values: what the C++ reference applies, for the
+  // Python integration's float64 path.
+  m.def(
+      "moe_activation",
+      [](Array gate, Array up, Array out, const std::string& activation, double alpha, double limit) {
+        const auto f64 = [](const Array& a, const char* what) {
+          const auto n = check_array(a, what, Dev::cpu, 8);
+          if (a.dtype().code != static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float))
+            throw InvalidArgument(fmt::format("{}: expected float64", what));
+          return n;
+        };
+        const auto n = f64(gate, "gate");
+        if (f64(up, "up") != n || f64(out, "out") != n)
+          throw InvalidArgument("moe_activation: gate, up and out must hold the same number of values");
+        MoeActivationSpec spec;
+        spec.kind = parse_moe_activation(activation);
+        spec.alpha = alpha;
+        spec.limit = limit;
+        validate(spec);
+        const auto* g = static_cast<const double*>(gate.data());
+        const auto* u = static_cast<const double*>(up.data());
+        auto* o = static_cast<double*>(out.data());
+        nb::gil_scoped_release nogil;
+        for (std::uint64_t i = 0; i < n; ++i) o[i] = apply_activation(spec, g[i], u[i]);
+      },
+      nb::arg("gate"), nb::arg("up"), nb::arg("out"), nb::arg("activation"), nb::arg("alpha") = kGptOssAlpha,
+      nb::arg("limit") = kGptOssLimit);
+
   m.def(
       "moe_reference",
       [](const std::string& format, std::int64_t e, std::int64_t h, std::int64_t n, std::int64_t k,

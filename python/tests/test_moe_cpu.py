@@ -86,3 +86,42 @@ def test_moe_rejections(gen):
         torch.ops.csfmoe.moe_reference(hidden, *args, bad_ids, wts)
     with pytest.raises(csfmoe.InvalidArgument, match="multiple|hidden|64"):
         csfmoe.plan_moe("nvfp4", 4, 100, 64, 2)
+
+
+def _gpt_oss_formula(gate, up, alpha=1.702, limit=7.0):
+    """transformers' GptOssExperts activation, written out in float64."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+EDGES = [0.0, -0.0, 1e-300, 6.999, 7.0, 7.001, -7.0, -7.001, 8.5, -8.5, 100.0, -100.0, 1e6, -1e6, 745.0, -745.0,
+         1.0, -1.0, float("nan")]
+
+
+def test_moe_activation_is_the_library_one(gen):
+    """csfmoe.moe.moe_activation (the C++ activation through the binding)
+    against the straightforward float64 formulas: random values, many past
+    the clamp, and the edges (zeros, large negatives, NaN)."""
+    n = 96
+    x = torch.randn(64, 2 * n, generator=gen, dtype=torch.float64) * 6
+    edges = torch.tensor(EDGES, dtype=torch.float64)
+    pairs = torch.cartesian_prod(edges, edges)  # [P, 2]: (gate, up)
+    cases = [x, torch.cat((pairs[:, :1], pairs[:, 1:]), dim=1)]
+    for gu in cases:
+        h = gu.shape[-1] // 2
+        gate, up = gu[..., :h], gu[..., h:]
+        got = csfmoe.moe.moe_activation(gu, "gpt_oss")
+        torch.testing.assert_close(got, _gpt_oss_formula(gate, up), rtol=1e-13, atol=1e-300, equal_nan=True)
+        got = csfmoe.moe.moe_activation(gu, "gpt_oss", 0.5, 3.0)
+        torch.testing.assert_close(got, _gpt_oss_formula(gate, up, 0.5, 3.0), rtol=1e-13, atol=1e-300,
+                                   equal_nan=True)
+        got = csfmoe.moe.moe_activation(gu, "silu")
+        torch.testing.assert_close(got, gate * torch.sigmoid(gate) * up, rtol=1e-13, atol=1e-300, equal_nan=True)
+    assert (x.abs() > 7).any()  # the random case reaches past the clamp
+    with pytest.raises(csfmoe.InvalidArgument, match="activation"):
+        csfmoe.moe.moe_activation(x, "swiglu")
+    with pytest.raises(csfmoe.InvalidArgument, match="limit"):
+        csfmoe.moe.moe_activation(x, "gpt_oss", 1.702, -1.0)
+    with pytest.raises(csfmoe.InvalidArgument, match="2N"):
+        csfmoe.moe.moe_activation(x[:, :-1], "gpt_oss")

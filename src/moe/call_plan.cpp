@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "csfmoe/errors.hpp"
 #include "moe/routing_tiles.hpp"
@@ -22,6 +23,37 @@ const char* to_string(MoeKernel k) {
       break;
   }
   return "tiled";
+}
+
+const char* to_string(RoutedExpansion s) {
+  switch (s) {
+    case RoutedExpansion::all_experts:
+      return "all_experts";
+    case RoutedExpansion::presence_mask:
+      return "presence_mask";
+    case RoutedExpansion::dedupe_scan:
+      return "dedupe_scan";
+    case RoutedExpansion::none:
+      break;
+  }
+  return "none";
+}
+
+RoutedExpansion routed_expansion(std::uint64_t tokens, std::uint32_t topk, std::uint32_t experts) {
+  if (experts == 0 || topk == 0 || topk > experts)
+    throw InvalidArgument(fmt::format(
+        "routed_expansion: top-k {} over {} experts: both must be non-zero and a token routes to k distinct "
+        "experts (k <= E)",
+        topk, experts));
+  constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+  const std::uint64_t ids = tokens > kMax / topk ? kMax : tokens * topk;
+  if (ids >= kExpandAllIdsPerExpert * experts) return RoutedExpansion::all_experts;
+  if (ids >= kExpandMaskMinIds) return RoutedExpansion::presence_mask;
+  return RoutedExpansion::dedupe_scan;
+}
+
+RoutedExpansion routed_expansion_kernel(RoutedExpansion chosen) {
+  return chosen == RoutedExpansion::dedupe_scan ? RoutedExpansion::presence_mask : chosen;
 }
 
 namespace {
@@ -145,6 +177,10 @@ MoeCallPlan plan_call(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint3
     const bool dense = dense_kernel && has_scratch;
     c.mode = tokens <= plan.constraints.stage_read_max_tokens && !dense ? MoeScaleMode::stage_read
                                                                         : MoeScaleMode::routed;
+  }
+  if (c.mode == MoeScaleMode::routed && tokens > 0) {
+    c.expansion = routed_expansion(tokens, g.topk, g.experts);
+    c.expansion_kernel = routed_expansion_kernel(c.expansion);
   }
   if (grouped_ok && grouped_size && c.mode != MoeScaleMode::stage_read) {
     c.kernel = MoeKernel::grouped;

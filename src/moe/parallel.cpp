@@ -30,8 +30,20 @@ TpRange tensor_parallel_range(ScaleFormat format, const MoeLayerGeometry& g, uns
   return {rank * n, n};
 }
 
+namespace {
+
+// The slices do not carry expert biases (a TP rank would add the down bias
+// once per rank); refusing keeps a gpt-oss layer from losing them silently.
+void refuse_biases(const MoeHostWeights& w, const char* who) {
+  if (!w.w13_bias.empty() || !w.w2_bias.empty())
+    throw Unsupported(fmt::format("{}: layers with expert biases (gpt_oss activation) are not sliced", who));
+}
+
+}  // namespace
+
 MoeHostWeights slice_tensor_parallel(const MoeHostWeights& w, unsigned tp, unsigned rank) {
   validate(w);
+  refuse_biases(w, "slice_tensor_parallel");
   const TpRange r = tensor_parallel_range(w.format, w.geometry, tp, rank);
   const unsigned G = group_size(w.format);
   const std::uint64_t E = w.geometry.experts, H = w.geometry.hidden, N = w.geometry.intermediate;
@@ -85,6 +97,7 @@ unsigned expert_owner(std::uint32_t experts, unsigned ep, std::uint32_t expert) 
 
 MoeHostWeights slice_expert_parallel(const MoeHostWeights& w, unsigned ep, unsigned rank) {
   validate(w);
+  refuse_biases(w, "slice_expert_parallel");
   const ExpertPartition p = expert_parallel_partition(w.geometry.experts, ep, rank);
   const unsigned G = group_size(w.format);
   const std::uint64_t E = w.geometry.experts, H = w.geometry.hidden, N = w.geometry.intermediate;

@@ -1,6 +1,7 @@
 // Planning and validation of a fused MoE layer (host only).
 #include <fmt/core.h>
 
+#include <cmath>
 #include <limits>
 #include <string>
 
@@ -41,6 +42,33 @@ std::string_view to_string(MoeScaleMode m) noexcept {
       return "stage_read";
   }
   return "unknown";
+}
+
+std::string_view to_string(MoeActivation a) noexcept {
+  switch (a) {
+    case MoeActivation::silu:
+      return "silu";
+    case MoeActivation::gpt_oss:
+      return "gpt_oss";
+  }
+  return "unknown";
+}
+
+MoeActivation parse_moe_activation(std::string_view s) {
+  if (s == "silu") return MoeActivation::silu;
+  if (s == "gpt_oss") return MoeActivation::gpt_oss;
+  throw InvalidArgument(fmt::format("activation '{}' is not one of silu, gpt_oss", s));
+}
+
+void validate(const MoeActivationSpec& a) {
+  if (a.kind != MoeActivation::silu && a.kind != MoeActivation::gpt_oss)
+    throw InvalidArgument(fmt::format("activation kind {} is not silu or gpt_oss", unsigned(a.kind)));
+  if (a.kind != MoeActivation::gpt_oss) return;
+  // A non-positive limit would clamp gate and up to an empty or inverted range.
+  if (!std::isfinite(a.alpha) || !(a.alpha > 0))
+    throw InvalidArgument(fmt::format("activation.alpha = {} must be finite and > 0", a.alpha));
+  if (!std::isfinite(a.limit) || !(a.limit > 0))
+    throw InvalidArgument(fmt::format("activation.limit = {} must be finite and > 0", a.limit));
 }
 
 GateUpOrder parse_gate_up_order(std::string_view s) {
@@ -89,6 +117,11 @@ MoePlan plan_weights(ScaleFormat f, const MoeLayerGeometry& g, const MoeConstrai
     bad(fmt::format("source_format {} is not nvfp4 or mxfp4", unsigned(f)));
   if (g.order != GateUpOrder::w13 && g.order != GateUpOrder::w31)
     bad(fmt::format("geometry.order {} is not w13 or w31", unsigned(g.order)));
+  try {
+    validate(g.activation);
+  } catch (const InvalidArgument& e) {
+    bad(fmt::format("geometry.{}", e.what()));
+  }
   if (c.compression != ScaleCompression::none && c.compression != ScaleCompression::csf)
     bad(fmt::format("constraints.compression {} is not none or csf", unsigned(c.compression)));
   if (c.scale_layout != ScaleLayout::row_major && c.scale_layout != ScaleLayout::swizzled_128x4)

@@ -97,11 +97,15 @@ void reference_impl(const MoeHostWeights& w, std::span<const std::uint16_t> hidd
       const std::uint64_t e = std::uint64_t(ids[t * k + j]);
       matvec(w.format, w.w13.data() + e * w13_expert, w.w13_scales.data() + e * w13s_expert, w.w13_global[e],
              std::uint32_t(2 * N), std::uint32_t(H), x.data(), gu.data());
+      if (!w.w13_bias.empty())
+        for (std::uint64_t r = 0; r < 2 * N; ++r) gu[r] += double(w.w13_bias[e * 2 * N + r]);
       const double* gate = gu.data() + (up_first ? N : 0);
       const double* up = gu.data() + (up_first ? 0 : N);
-      for (std::uint64_t n = 0; n < N; ++n) act[n] = gate[n] / (1.0 + std::exp(-gate[n])) * up[n];
+      for (std::uint64_t n = 0; n < N; ++n) act[n] = apply_activation(g.activation, gate[n], up[n]);
       matvec(w.format, w.w2.data() + e * w2_expert, w.w2_scales.data() + e * w2s_expert, w.w2_global[e],
              std::uint32_t(H), std::uint32_t(N), act.data(), y.data());
+      if (!w.w2_bias.empty())
+        for (std::uint64_t h = 0; h < H; ++h) y[h] += double(w.w2_bias[e * H + h]);
       const double wt = double(weights[t * k + j]);
       for (std::uint64_t h = 0; h < H; ++h) acc[h] += wt * y[h];
     }
@@ -128,6 +132,16 @@ void validate(const MoeHostWeights& w) {
   expect_size("w2", w.w2.size(), E * H * (N / 2));
   expect_size("w2_scales", w.w2_scales.size(), E * H * (N / G));
   expect_size("w2_global", w.w2_global.size(), E);
+  validate(g.activation);
+  if (g.activation.kind != MoeActivation::gpt_oss) {
+    if (!w.w13_bias.empty() || !w.w2_bias.empty())
+      throw InvalidArgument(
+          fmt::format("MoeHostWeights: expert biases are for the gpt_oss activation only, the layer's is {}",
+                      to_string(g.activation.kind)));
+    return;
+  }
+  if (!w.w13_bias.empty()) expect_size("w13_bias", w.w13_bias.size(), E * 2 * N);
+  if (!w.w2_bias.empty()) expect_size("w2_bias", w.w2_bias.size(), E * H);
 }
 
 MoeHostWeights synthetic_moe_weights(ScaleFormat f, const MoeLayerGeometry& g, std::uint64_t seed,

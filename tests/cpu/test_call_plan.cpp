@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <limits>
 #include <string>
+#include <vector>
 
 #include "csfmoe/call_plan.hpp"
 #include "csfmoe/errors.hpp"
@@ -430,6 +432,139 @@ TEST(CallPlan, InvalidTuningIsRejectedNamingTheField) {
   ok.min_kblocks_per_warp = 1;
   ok.waves = 1;
   EXPECT_NO_THROW(validate(ok));
+}
+
+// The routed-expansion rule as documented (call_plan.hpp): every expert from
+// 16 routed ids per expert, a presence mask from 64 ids, a dedupe scan below;
+// restated here as a direct comparison on exact integers.
+RoutedExpansion documented_expansion(std::uint64_t tokens, std::uint32_t k, std::uint32_t e) {
+  const unsigned __int128 ids = static_cast<unsigned __int128>(tokens) * k;
+  if (ids >= static_cast<unsigned __int128>(16) * e) return RoutedExpansion::all_experts;
+  if (ids >= 64) return RoutedExpansion::presence_mask;
+  return RoutedExpansion::dedupe_scan;
+}
+
+TEST(RoutedExpansion, EveryThresholdAndItsNeighbours) {
+  for (std::uint32_t e : {1u, 2u, 3u, 4u, 5u, 7u, 8u, 16u, 64u, 128u, 256u, 384u, 1024u}) {
+    for (std::uint32_t k : {1u, 2u, 3u, 4u, 6u, 8u, 16u, 64u}) {
+      if (k > e) continue;
+      SCOPED_TRACE("E=" + std::to_string(e) + " k=" + std::to_string(k));
+      // T around both thresholds: ceil(threshold / k) - 2 .. + 2, and small T.
+      std::vector<std::uint64_t> ts = {0, 1, 2, 3, 7, 8, 9};
+      for (std::uint64_t ids : {std::uint64_t{64}, std::uint64_t{16} * e})
+        for (int d = -2; d <= 2; ++d) {
+          const std::int64_t t = std::int64_t((ids + k - 1) / k) + d;
+          if (t >= 0) ts.push_back(std::uint64_t(t));
+        }
+      for (std::uint64_t t : ts) {
+        SCOPED_TRACE("T=" + std::to_string(t));
+        EXPECT_EQ(routed_expansion(t, k, e), documented_expansion(t, k, e));
+      }
+    }
+  }
+}
+
+TEST(RoutedExpansion, ExactBoundaries) {
+  // DeepSeek-V3 (E = 256, k = 8): 64 ids at T = 8, 16 E = 4096 ids at T = 512.
+  EXPECT_EQ(routed_expansion(1, 8, 256), RoutedExpansion::dedupe_scan);
+  EXPECT_EQ(routed_expansion(7, 8, 256), RoutedExpansion::dedupe_scan);
+  EXPECT_EQ(routed_expansion(8, 8, 256), RoutedExpansion::presence_mask);
+  EXPECT_EQ(routed_expansion(511, 8, 256), RoutedExpansion::presence_mask);
+  EXPECT_EQ(routed_expansion(512, 8, 256), RoutedExpansion::all_experts);
+  // T * k not a multiple of the threshold: 63 and 64 ids, 16 E - 1 and 16 E.
+  EXPECT_EQ(routed_expansion(21, 3, 256), RoutedExpansion::dedupe_scan);    // 63
+  EXPECT_EQ(routed_expansion(22, 3, 256), RoutedExpansion::presence_mask);  // 66
+  EXPECT_EQ(routed_expansion(4095, 1, 256), RoutedExpansion::presence_mask);
+  EXPECT_EQ(routed_expansion(4096, 1, 256), RoutedExpansion::all_experts);
+  // Few experts: 16 E below 64 ids, so the mask is never chosen.
+  EXPECT_EQ(routed_expansion(15, 1, 1), RoutedExpansion::dedupe_scan);
+  EXPECT_EQ(routed_expansion(16, 1, 1), RoutedExpansion::all_experts);
+  EXPECT_EQ(routed_expansion(1, 2, 2), RoutedExpansion::dedupe_scan);
+  EXPECT_EQ(routed_expansion(16, 2, 2), RoutedExpansion::all_experts);
+  for (std::uint64_t t = 0; t < 200; ++t)
+    EXPECT_NE(routed_expansion(t, 1, 3), RoutedExpansion::presence_mask) << t;  // 16 E = 48 < 64
+  // 16 E = 64: both thresholds meet.
+  EXPECT_EQ(routed_expansion(63, 1, 4), RoutedExpansion::dedupe_scan);
+  EXPECT_EQ(routed_expansion(64, 1, 4), RoutedExpansion::all_experts);
+  EXPECT_EQ(routed_expansion(15, 4, 4), RoutedExpansion::dedupe_scan);
+  EXPECT_EQ(routed_expansion(16, 4, 4), RoutedExpansion::all_experts);
+  // The constants are the documented ones.
+  EXPECT_EQ(kExpandAllIdsPerExpert, 16u);
+  EXPECT_EQ(kExpandMaskMinIds, 64u);
+}
+
+TEST(RoutedExpansion, AdversarialInputs) {
+  // No tokens: the scan (which expands nothing), on every layer size.
+  EXPECT_EQ(routed_expansion(0, 1, 1), RoutedExpansion::dedupe_scan);
+  EXPECT_EQ(routed_expansion(0, 64, 1024), RoutedExpansion::dedupe_scan);
+  // One expert, k = 1.
+  EXPECT_EQ(routed_expansion(1, 1, 1), RoutedExpansion::dedupe_scan);
+  // T * k past 2^64 saturates (all experts) instead of wrapping to few ids.
+  const std::uint64_t max = std::numeric_limits<std::uint64_t>::max();
+  EXPECT_EQ(routed_expansion(max, 64, 1024), RoutedExpansion::all_experts);
+  EXPECT_EQ(routed_expansion(max / 2 + 1, 2, 1024), RoutedExpansion::all_experts);  // wraps to 0
+  EXPECT_EQ(routed_expansion((max / 8) + 1, 8, 256), RoutedExpansion::all_experts);
+  EXPECT_EQ(routed_expansion(std::uint64_t{1} << 32, 64, 0xFFFFFFFFu), RoutedExpansion::all_experts);
+  // 16 E of the largest E does not overflow.
+  EXPECT_EQ(routed_expansion(64, 1, 0xFFFFFFFFu), RoutedExpansion::presence_mask);
+  // Impossible layers are errors.
+  EXPECT_THROW((void)routed_expansion(1, 0, 8), InvalidArgument);
+  EXPECT_THROW((void)routed_expansion(1, 1, 0), InvalidArgument);
+  EXPECT_THROW((void)routed_expansion(0, 0, 0), InvalidArgument);
+  EXPECT_THROW((void)routed_expansion(1, 9, 8), InvalidArgument);
+  EXPECT_THROW((void)routed_expansion(1, 2, 1), InvalidArgument);
+  try {
+    (void)routed_expansion(1, 9, 8);
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("k <= E"), std::string::npos) << e.what();
+  }
+}
+
+TEST(RoutedExpansion, KernelThatRuns) {
+  EXPECT_EQ(routed_expansion_kernel(RoutedExpansion::none), RoutedExpansion::none);
+  EXPECT_EQ(routed_expansion_kernel(RoutedExpansion::all_experts), RoutedExpansion::all_experts);
+  EXPECT_EQ(routed_expansion_kernel(RoutedExpansion::presence_mask), RoutedExpansion::presence_mask);
+  // The dedupe-scan kernel is not written: the presence-mask kernel runs.
+  EXPECT_EQ(routed_expansion_kernel(RoutedExpansion::dedupe_scan), RoutedExpansion::presence_mask);
+  EXPECT_STREQ(to_string(RoutedExpansion::none), "none");
+  EXPECT_STREQ(to_string(RoutedExpansion::all_experts), "all_experts");
+  EXPECT_STREQ(to_string(RoutedExpansion::presence_mask), "presence_mask");
+  EXPECT_STREQ(to_string(RoutedExpansion::dedupe_scan), "dedupe_scan");
+}
+
+// The plan records the strategy of routed calls only, and for every call size
+// of the model layers it is the rule's.
+TEST(RoutedExpansion, RecordedInTheCallPlan) {
+  for (const Model& m : kModels) {
+    SCOPED_TRACE(m.name);
+    const MoePlan csf = plan_of(ScaleFormat::nvfp4, m.geometry, ScaleCompression::csf);
+    const MoePlan native = plan_of(ScaleFormat::nvfp4, m.geometry, ScaleCompression::none);
+    const std::uint32_t limit = csf.constraints.stage_read_max_tokens;
+    for (std::uint32_t t :
+         {0u, 1u, 7u, 8u, 9u, 63u, 64u, m.prefill_from - 1, m.prefill_from, limit, limit + 1, 4096u, kMaxT}) {
+      SCOPED_TRACE(t);
+      MoeBindOptions forced;
+      forced.force_mode = MoeScaleMode::routed;
+      const MoeCallPlan r = plan_call(csf, h200(), t, false, true, forced);
+      const RoutedExpansion want =
+          t == 0 ? RoutedExpansion::none : documented_expansion(t, m.geometry.topk, m.geometry.experts);
+      EXPECT_EQ(r.expansion, want);
+      EXPECT_EQ(r.expansion_kernel, routed_expansion_kernel(want));
+      // Auto mode: routed above the stage-read bound (or for the prefill
+      // kernel with a scratch), else nothing to expand.
+      const MoeCallPlan a = plan_call(csf, h200(), t, false, true, MoeBindOptions{});
+      EXPECT_EQ(a.expansion, a.mode == MoeScaleMode::routed ? want : RoutedExpansion::none);
+      for (bool expanded : {false, true}) {
+        const MoeCallPlan n = plan_call(native, h200(), t, expanded, false, MoeBindOptions{});
+        EXPECT_EQ(n.expansion, RoutedExpansion::none);
+        EXPECT_EQ(n.expansion_kernel, RoutedExpansion::none);
+      }
+      EXPECT_EQ(plan_call(csf, h200(), t, true, true, MoeBindOptions{}).expansion, RoutedExpansion::none);
+      MoeBindOptions stage;
+      stage.force_mode = MoeScaleMode::stage_read;
+      EXPECT_EQ(plan_call(csf, h200(), t, false, true, stage).expansion, RoutedExpansion::none);
+    }
+  }
 }
 
 }  // namespace

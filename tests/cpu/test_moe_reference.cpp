@@ -1,6 +1,7 @@
 // CPU reference MoE and layer planning.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
@@ -60,18 +61,32 @@ std::vector<double> naive_moe(const MoeHostWeights& w, const std::vector<std::ui
       q2.scales.assign(w.w2_scales.begin() + e * H * N / G, w.w2_scales.begin() + (e + 1) * H * N / G);
       const std::vector<float> d13 = dequantize(q13), d2 = dequantize(q2);
       std::vector<double> act(N);
+      const bool up_first = g.order == GateUpOrder::w31;
       for (std::size_t n = 0; n < N; ++n) {
+        const std::size_t gr = up_first ? N + n : n, ur = up_first ? n : N + n;
         double gate = 0, up = 0;
         for (std::size_t h = 0; h < H; ++h) {
           const double x = bf16_to_float(hidden[t * H + h]);
-          gate += x * d13[n * H + h];
-          up += x * d13[(N + n) * H + h];
+          gate += x * d13[gr * H + h];
+          up += x * d13[ur * H + h];
         }
-        act[n] = gate / (1 + std::exp(-gate)) * up;
+        if (!w.w13_bias.empty()) {
+          gate += w.w13_bias[e * 2 * N + gr];
+          up += w.w13_bias[e * 2 * N + ur];
+        }
+        if (g.activation.kind == MoeActivation::gpt_oss) {
+          // transformers' GptOssExperts, written out.
+          const double lim = g.activation.limit;
+          const double gc = std::min(gate, lim), uc = std::clamp(up, -lim, lim);
+          act[n] = (uc + 1) * gc * (1 / (1 + std::exp(-g.activation.alpha * gc)));
+        } else {
+          act[n] = gate / (1 + std::exp(-gate)) * up;
+        }
       }
       for (std::size_t h = 0; h < H; ++h) {
         double y = 0;
         for (std::size_t n = 0; n < N; ++n) y += d2[h * N + n] * act[n];
+        if (!w.w2_bias.empty()) y += w.w2_bias[e * H + h];
         out[t * H + h] += double(r.weights[t * g.topk + j]) * y;
       }
     }
@@ -303,6 +318,78 @@ TEST(MoeReference, RelativeError) {
   EXPECT_NEAR(relative_error(b, ref), 0.2, 1e-12);
   b[0] = std::nanf("");
   EXPECT_TRUE(std::isnan(relative_error(b, ref)));
+}
+
+// gpt-oss's layer: clamped SwiGLU with biases, against the literal layer.
+// Large inputs (x 8) push many gate and up values past
+// the clamp, both ways; both orders, both formats, with and without biases.
+TEST(MoeReference, GptOssActivationWithBiasesMatchesNaiveLayer) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  for (ScaleFormat f : {ScaleFormat::nvfp4, ScaleFormat::mxfp4})
+    for (GateUpOrder order : {GateUpOrder::w13, GateUpOrder::w31})
+      for (bool biases : {false, true}) {
+        SCOPED_TRACE(std::string(to_string(f)) + " " + std::string(to_string(order)) +
+                     (biases ? " biases" : ""));
+        auto g = small_geometry(5, 64, 64, 3);
+        g.order = order;
+        g.activation = MoeActivationSpec::gpt_oss();
+        MoeHostWeights w = synthetic_moe_weights(f, g, seed);
+        if (biases) {
+          std::normal_distribution<float> d(0.0f, 4.0f);
+          w.w13_bias.resize(std::size_t{g.experts} * 2 * g.intermediate);
+          w.w2_bias.resize(std::size_t{g.experts} * g.hidden);
+          for (float& v : w.w13_bias) v = d(rng);
+          for (float& v : w.w2_bias) v = d(rng);
+        }
+        const std::uint32_t T = 9;
+        auto hidden = random_hidden(rng, T * g.hidden);
+        for (auto& v : hidden) v = float_to_bf16(bf16_to_float(v) * 8.0f);  // exact: a power of two
+        const Routing r = random_routing(rng, T, g.topk, g.experts);
+        std::vector<float> out(T * g.hidden);
+        moe_reference(w, hidden, T, r.ids, r.weights, out);
+        EXPECT_LT(rel(out, naive_moe(w, hidden, T, r)), 1e-6);
+        // The activation matters: the SiLU layer on the same weights differs.
+        MoeHostWeights silu = w;
+        silu.geometry.activation = MoeActivationSpec::silu();
+        silu.w13_bias.clear();
+        silu.w2_bias.clear();
+        std::vector<float> other(out.size());
+        moe_reference(silu, hidden, T, r.ids, r.weights, other);
+        EXPECT_GT(rel(other, naive_moe(w, hidden, T, r)), 1e-3);
+      }
+}
+
+TEST(MoeReference, BiasesAndActivationAreChecked) {
+  auto g = small_geometry();
+  MoeHostWeights w = synthetic_moe_weights(ScaleFormat::nvfp4, g, 1, /*fast=*/true);
+  w.w13_bias.assign(std::size_t{g.experts} * 2 * g.intermediate, 0.0f);
+  EXPECT_THROW(validate(w), InvalidArgument);  // biases with SiLU
+  w.geometry.activation = MoeActivationSpec::gpt_oss();
+  EXPECT_NO_THROW(validate(w));
+  w.w13_bias.pop_back();
+  EXPECT_THROW(validate(w), InvalidArgument);
+  w.w13_bias.clear();
+  w.w2_bias.assign(std::size_t{g.experts} * g.hidden + 1, 0.0f);
+  EXPECT_THROW(validate(w), InvalidArgument);
+  w.w2_bias.pop_back();
+  EXPECT_NO_THROW(validate(w));
+  for (double bad : {0.0, -1.0, std::nan(""), double(INFINITY)}) {
+    w.geometry.activation = MoeActivationSpec::gpt_oss(bad, 7.0);
+    EXPECT_THROW(validate(w), InvalidArgument) << bad;
+    EXPECT_THROW((void)plan_weights(ScaleFormat::nvfp4, w.geometry, {}), InvalidArgument) << bad;
+    w.geometry.activation = MoeActivationSpec::gpt_oss(1.702, bad);
+    EXPECT_THROW(validate(w), InvalidArgument) << bad;
+    EXPECT_THROW((void)plan_weights(ScaleFormat::nvfp4, w.geometry, {}), InvalidArgument) << bad;
+  }
+  w.geometry.activation.kind = static_cast<MoeActivation>(7);
+  EXPECT_THROW((void)plan_weights(ScaleFormat::nvfp4, w.geometry, {}), InvalidArgument);
+  w.geometry.activation = MoeActivationSpec::gpt_oss();
+  EXPECT_NO_THROW((void)plan_weights(ScaleFormat::nvfp4, w.geometry, {}));
+  EXPECT_EQ(parse_moe_activation("silu"), MoeActivation::silu);
+  EXPECT_EQ(parse_moe_activation("gpt_oss"), MoeActivation::gpt_oss);
+  EXPECT_THROW((void)parse_moe_activation("swiglu"), InvalidArgument);
+  EXPECT_EQ(to_string(MoeActivation::gpt_oss), "gpt_oss");
 }
 
 }  // namespace

@@ -977,6 +977,10 @@ TEST_F(GpuMoe, HostChecksRejectBadArguments) {
   MoeDeviceWeights d = l.native->source();
   d.w13 = d.w13 + 1;
   EXPECT_THROW(prepare_weights(l.plan_native, d, nullptr, nullptr), InvalidArgument);
+  // gpt-oss's clamped SwiGLU has no kernel yet: refused before any upload.
+  MoePlan oss = l.plan_native;
+  oss.geometry.activation = MoeActivationSpec::gpt_oss();
+  EXPECT_THROW(prepare_weights(oss, l.native->source(), nullptr, nullptr), Unsupported);
 }
 
 }  // namespace

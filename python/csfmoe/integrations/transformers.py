@@ -334,13 +334,11 @@ class CsfExperts(nn.Module):
         return w
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up[:, :self.intermediate_dim], gate_up[:, self.intermediate_dim:]
+        # The library's activation, the same code as its C++ reference (one home).
         if self.swiglu == "silu":
-            return gate * torch.sigmoid(gate) * up
+            return _moe.moe_activation(gate_up, "silu")
         alpha, limit = self.clamp
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+        return _moe.moe_activation(gate_up, "gpt_oss", alpha, limit)
 
     def _reference(self, hidden, ids, weights):
         w13, w2 = self.dequantized()

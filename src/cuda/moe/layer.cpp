@@ -133,6 +133,14 @@ moe_detail::StageReadIndex host_stage_read_index(const DeviceCsfTensor& t,
 
 MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const ScaleScratch* scratch,
                            cudaStream_t stream) {
+  // The kernels' gate/up epilogue is instantiated for SiLU * up only; the
+  // clamped SwiGLU policy (csfmoe/detail/activation.hpp) and its biases have
+  // no kernel yet, so such a layer runs on the CPU reference alone.
+  if (plan.geometry.activation.kind != MoeActivation::silu)
+    throw Unsupported(fmt::format(
+        "prepare_weights: the {} activation (clamped SwiGLU with expert biases) has no GPU kernel yet; "
+        "moe_reference computes it on the CPU",
+        to_string(plan.geometry.activation.kind)));
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     (void)cudaGetLastError();
@@ -382,8 +390,13 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
       LayerScales layer;
       layer.w13 = ScaleTensorRef::of_csf(w.w13_csf());
       layer.w2 = ScaleTensorRef::of_csf(w.w2_csf());
-      (void)expand_scales_routed(layer, *w.scratch(), ScaleLayout::row_major, topk_ids, id_type, slots,
-                                 b.stream_);
+      // Calls with nearly every expert routed expand them all: the same
+      // work, without each block reading every routed id (call_plan.hpp).
+      if (plan.expansion_kernel == RoutedExpansion::all_experts)
+        (void)expand_scales(layer, *w.scratch(), ScaleLayout::row_major, b.stream_);
+      else
+        (void)expand_scales_routed(layer, *w.scratch(), ScaleLayout::row_major, topk_ids, id_type, slots,
+                                   b.stream_);
     }
       [[fallthrough]];
     case MoeScaleMode::expanded:
