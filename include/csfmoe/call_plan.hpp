@@ -142,10 +142,11 @@ inline constexpr std::uint64_t kExpandMaskMinIds = 64;
 // > experts (a token routes to k distinct experts).
 RoutedExpansion routed_expansion(std::uint64_t tokens, std::uint32_t topk, std::uint32_t experts);
 
-// The strategy the GPU codec runs for a chosen one: all_experts runs the
-// expand-all kernel (expand_scales), presence_mask the routed kernel (its
-// blocks build a bitmap of the ids); the dedupe-scan kernel is not written,
-// so dedupe_scan runs as presence_mask (docs/moe-api.md).
+// The strategy the GPU codec runs for a chosen one: the routed kernel (its
+// blocks build a bitmap of the ids, presence_mask) for all three until the
+// GPU has measured the others in this role: expanding all experts through
+// expand_scales at R >= 16 E, and a dedupe-scan kernel (not written yet)
+// below 64 ids (docs/moe-api.md).
 RoutedExpansion routed_expansion_kernel(RoutedExpansion chosen);
 
 struct MoeCallPlan {

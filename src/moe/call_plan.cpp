@@ -53,7 +53,7 @@ RoutedExpansion routed_expansion(std::uint64_t tokens, std::uint32_t topk, std::
 }
 
 RoutedExpansion routed_expansion_kernel(RoutedExpansion chosen) {
-  return chosen == RoutedExpansion::dedupe_scan ? RoutedExpansion::presence_mask : chosen;
+  return chosen == RoutedExpansion::none ? RoutedExpansion::none : RoutedExpansion::presence_mask;
 }
 
 namespace {

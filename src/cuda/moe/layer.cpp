@@ -390,13 +390,9 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
       LayerScales layer;
       layer.w13 = ScaleTensorRef::of_csf(w.w13_csf());
       layer.w2 = ScaleTensorRef::of_csf(w.w2_csf());
-      // Calls with nearly every expert routed expand them all: the same
-      // work, without each block reading every routed id (call_plan.hpp).
-      if (plan.expansion_kernel == RoutedExpansion::all_experts)
-        (void)expand_scales(layer, *w.scratch(), ScaleLayout::row_major, b.stream_);
-      else
-        (void)expand_scales_routed(layer, *w.scratch(), ScaleLayout::row_major, topk_ids, id_type, slots,
-                                   b.stream_);
+      // The routed kernel for every strategy today (routed_expansion_kernel).
+      (void)expand_scales_routed(layer, *w.scratch(), ScaleLayout::row_major, topk_ids, id_type, slots,
+                                 b.stream_);
     }
       [[fallthrough]];
     case MoeScaleMode::expanded:
