@@ -29,7 +29,8 @@
 //    warp's bytes allow (grouped_fetches_mid_block).
 //  * Epilogues. gate/up: SiLU(gate) * up to bf16, written per routed slot in
 //    the down projection's K order; down: bf16 per slot (FP32 on request)
-//    for the combine, which sums in FP32 in slot order.
+//    for the combine, which sums in FP32 in slot order. bf16 goes out in
+//    pairs of adjacent columns, one shuffle between two lane groups each.
 #pragma once
 
 #include <cuda.h>
