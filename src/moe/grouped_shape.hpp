@@ -19,7 +19,8 @@ namespace csfmoe::moe_detail {
 inline constexpr int kGroupedTokenTiles[] = {16, 24, 32, 48, 64, 80, 96, 128};
 constexpr int kGroupedTokenTileCount = sizeof(kGroupedTokenTiles) / sizeof(kGroupedTokenTiles[0]);
 constexpr std::uint32_t kGroupedMinTile = 16, kGroupedMaxTile = 128;
-// The largest class whose consumers take one m64 tile each (grouped_consumers).
+// The largest class whose consumers take one m64 tile each (grouped_consumers):
+// from 80 rows the accumulators and the epilogue's shuffles pass 112 registers.
 constexpr int kGroupedMaxOneTileClass = 64;
 
 constexpr std::uint32_t kGroupedRows = 256;  // weight rows per work item (gate/up: 128 gate + 128 up)
