@@ -334,11 +334,16 @@ class CsfExperts(nn.Module):
         return w
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        # The library's activation, the same code as its C++ reference (one home).
+        # The library's activation, the same code as its C++ reference (one
+        # home); it runs on the CPU, so a reference on another device goes
+        # there and back.
+        x = gate_up.cpu()
         if self.swiglu == "silu":
-            return _moe.moe_activation(gate_up, "silu")
-        alpha, limit = self.clamp
-        return _moe.moe_activation(gate_up, "gpt_oss", alpha, limit)
+            y = _moe.moe_activation(x, "silu")
+        else:
+            alpha, limit = self.clamp
+            y = _moe.moe_activation(x, "gpt_oss", alpha, limit)
+        return y.to(gate_up.device)
 
     def _reference(self, hidden, ids, weights):
         w13, w2 = self.dequantized()
