@@ -62,7 +62,6 @@ constexpr int kGroupedFetchStep = 5;
 // 2-10 % slower than fetching at the block's start with plain pairs
 // (bench/results/2026-12-05-grouped-fetch-ab-*.jsonl).
 constexpr bool grouped_fetches_mid_block(int nt) { return nt >= 128; }
-static_assert(4 % (kGroupedDepth + 1) == 0, "fragment buffers divide the steps of a K block");
 
 // Source element offset of a padding row: its copy is zero-filled.
 constexpr std::uint32_t kGroupedNoRow = 0xFFFFFFFFu;
