@@ -13,7 +13,8 @@ matches an unpatched copy holding the same dequantized FP4 expert weights
   python examples/transformers_generate.py --device cuda --geometry qwen3-30b-a3b --layers 4 --new-tokens 64
 
 On the CPU the experts run csfmoe's float64 reference (slow: keep the model
-tiny); on CUDA the fused kernels (gpt-oss's activation is CPU-only)."""
+tiny); on CUDA the fused kernels (gpt-oss's clamped SwiGLU and biases
+included)."""
 
 from __future__ import annotations
 
@@ -156,9 +157,6 @@ def main():
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if device.type == "cuda" and args.family == "gpt_oss":
-        raise SystemExit("gpt-oss experts (clamped SwiGLU with biases) run on the CPU reference only: "
-                         "the csfmoe kernels compute SiLU(gate) * up without biases")
 
     model = build_model(args.family, args.geometry, args.layers, args.seed, device)
     give_experts_weight(model, args.seed + 1)

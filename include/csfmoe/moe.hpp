@@ -64,9 +64,9 @@ struct MoeLayerGeometry {
   std::uint32_t intermediate = 0;  // N (per-expert intermediate size)
   std::uint32_t topk = 0;          // k slots per token
   GateUpOrder order = GateUpOrder::w13;
-  // The gate/up activation (csfmoe/detail/activation.hpp). The CPU reference
-  // computes both; the GPU kernels compute silu only, so prepare_weights
-  // refuses a gpt_oss layer (Unsupported) until its epilogue is instantiated.
+  // The gate/up activation (csfmoe/detail/activation.hpp), computed alike by
+  // the CPU reference and every GPU kernel's gate/up epilogue (gpt_oss with
+  // the expert biases of MoeHostWeights / MoeDeviceWeights).
   MoeActivationSpec activation;
 };
 

@@ -36,6 +36,10 @@ struct MoeDeviceWeights {
   const std::uint8_t* w2 = nullptr;          // [E, H, N/2]
   const std::uint8_t* w2_scales = nullptr;   // plan.w2_scale_bytes
   const float* w2_global = nullptr;          // [E]
+  // Expert biases, gpt_oss activation only (null: none): FP32 w13_bias
+  // [E, 2N] in the w13 row order, w2_bias [E, H], 16-byte aligned.
+  const float* w13_bias = nullptr;
+  const float* w2_bias = nullptr;
   int device = 0;
 };
 

@@ -23,11 +23,13 @@ _FP32 = (torch.float32,)
 
 def plan_moe(format: str, experts: int, hidden: int, intermediate: int, topk: int, order: str = "w13",
              compression: str = "none", max_tokens: int = 4096, stage_read_max_tokens: int = 1536,
-             scale_layout: str = "row_major") -> dict:
-    """csfmoe::plan_weights: validates the layer geometry (InvalidArgument
-    naming the field) and returns the byte sizes and scale grid shapes."""
+             scale_layout: str = "row_major", activation: str = "silu", alpha: float = 1.702,
+             limit: float = 7.0) -> dict:
+    """csfmoe::plan_weights: validates the layer geometry and activation
+    (InvalidArgument naming the field) and returns the byte sizes and scale
+    grid shapes."""
     return dict(_C.moe_plan(format, experts, hidden, intermediate, topk, order, compression, max_tokens,
-                            stage_read_max_tokens, scale_layout))
+                            stage_read_max_tokens, scale_layout, activation, float(alpha), float(limit)))
 
 
 def _check_layer(hidden, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids, topk_weights, format):
@@ -87,31 +89,55 @@ def moe_activation(gate_up: torch.Tensor, activation: str = "silu", alpha: float
 def moe_reference(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w13_global: torch.Tensor,
                   w2: torch.Tensor, w2_scale: torch.Tensor, w2_global: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, format: str = "nvfp4", order: str = "w13",
-                  threads: int = 0) -> torch.Tensor:
+                  threads: int = 0, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+                  w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """CPU float64 reference of one MoE layer: float32 [T, H]. Native
-    row-major scales [E, rows, K/g]; hidden bf16 [T, H]."""
+    row-major scales [E, rows, K/g]; hidden bf16 [T, H]. activation "gpt_oss"
+    (clamped SwiGLU, moe_activation) takes optional float32 expert biases
+    w13_bias [E, 2N] (in w13's row order) and w2_bias [E, H]."""
     e, h, n, k = _check_layer(hidden, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids, topk_weights,
                               format)
     if hidden.device.type != "cpu":
         raise InvalidArgument(f"hidden: moe_reference runs on the CPU, got {hidden.device}")
+    _check_activation(activation, w13_bias, w2_bias, e, h, n, hidden.device)
     out = torch.empty(hidden.shape, dtype=torch.float32)
     _C.moe_reference(format, e, h, n, k, order, w13, ops._u8(w13_scale), w13_global, w2, ops._u8(w2_scale),
-                     w2_global, hidden.view(torch.int16), topk_ids, topk_weights, out, threads)
+                     w2_global, hidden.view(torch.int16), topk_ids, topk_weights, out, threads, activation,
+                     float(alpha), float(limit), w13_bias, w2_bias)
     return out
 
 
 @moe_reference.register_fake
 def _(hidden, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids, topk_weights, format="nvfp4",
-      order="w13", threads=0):
+      order="w13", threads=0, activation="silu", alpha=1.702, limit=7.0, w13_bias=None, w2_bias=None):
     return hidden.new_empty(hidden.shape, dtype=torch.float32)
+
+
+def _check_activation(activation, w13_bias, w2_bias, e, h, n, dev) -> None:
+    """The layer's activation and its optional expert biases (gpt_oss only):
+    float32 w13_bias [E, 2N], w2_bias [E, H] on the layer's device."""
+    if activation not in ACTIVATIONS:
+        raise InvalidArgument(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    for name, b, shape in (("w13_bias", w13_bias, (e, 2 * n)), ("w2_bias", w2_bias, (e, h))):
+        if b is None:
+            continue
+        if activation != "gpt_oss":
+            raise InvalidArgument(f"{name}: expert biases are for the gpt_oss activation only, the layer's is "
+                                  f"{activation!r}")
+        ops._check_tensor(b, name, _FP32, None, dev)
+        if tuple(b.shape) != shape:
+            raise InvalidArgument(f"{name}: expected shape {list(shape)}, got {list(b.shape)}")
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               w13_scale: Union[torch.Tensor, CsfScales], w2_scale: Union[torch.Tensor, CsfScales],
               w13_global: torch.Tensor, w2_global: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, format: str = "nvfp4", order: str = "w13",
-              scales_expanded: bool = False) -> torch.Tensor:
-    """One MoE layer call: out[t] = sum_j w[t,j] * W2[e] (SiLU(gate) * up).
+              scales_expanded: bool = False, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+              w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One MoE layer call: out[t] = sum_j w[t,j] * W2[e] (SiLU(gate) * up),
+    or with activation "gpt_oss" gpt-oss's clamped SwiGLU and optional
+    float32 expert biases (moe_reference).
 
     CPU tensors run the reference (result cast to hidden's dtype). CsfScales
     are decoded first. CUDA needs a build with the GPU MoE kernels."""
@@ -119,14 +145,17 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         # One-off: prepares (and synchronizes) per call. Engines keep a
         # PreparedExperts per layer instead.
         layer = PreparedExperts(w13, w2, w13_scale, w2_scale, w13_global, w2_global, format, order,
-                                int(topk_ids.shape[1]), max_tokens=max(int(hidden.shape[0]), 1))
+                                int(topk_ids.shape[1]), max_tokens=max(int(hidden.shape[0]), 1),
+                                activation=activation, alpha=alpha, limit=limit, w13_bias=w13_bias,
+                                w2_bias=w2_bias)
         return layer(hidden, topk_ids, topk_weights)
     if isinstance(w13_scale, CsfScales):
         w13_scale = w13_scale.decompress("row_major")
     if isinstance(w2_scale, CsfScales):
         w2_scale = w2_scale.decompress("row_major")
     out = torch.ops.csfmoe.moe_reference(hidden, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids,
-                                         topk_weights, format, order, 0)
+                                         topk_weights, format, order, 0, activation, float(alpha), float(limit),
+                                         w13_bias, w2_bias)
     return out.to(hidden.dtype)
 
 
@@ -149,19 +178,29 @@ class PreparedExperts:
     call reads scratch that `expand_scales()` filled (share one scratch
     between layers with `scratch=(w13_scratch, w2_scratch)` and order reuse
     with events). CPU weights run the float64 reference.
+
+    activation "gpt_oss" runs gpt-oss's clamped SwiGLU (alpha, limit) with
+    optional float32 expert biases w13_bias [E, 2N] (in w13's row order:
+    gate rows, then up rows for "w13") and w2_bias [E, H] on the weights'
+    device, on the CPU reference and in every GPU kernel alike.
     """
 
     def __init__(self, w13, w2, w13_scale, w2_scale, w13_global, w2_global, format: str = "nvfp4",
                  order: str = "w13", topk: int = 8, compression: str = "none", max_tokens: int = 4096,
                  stage_read_max_tokens: int = 1536, scales_expanded: bool = False, scratch=None,
-                 force_mode: str = "", scale_layout: str = "row_major"):
+                 force_mode: str = "", scale_layout: str = "row_major", activation: str = "silu",
+                 alpha: float = 1.702, limit: float = 7.0, w13_bias: Optional[torch.Tensor] = None,
+                 w2_bias: Optional[torch.Tensor] = None):
         ops._check_tensor(w13, "w13", (torch.uint8,), 3)
         e, two_n, h_half = (int(s) for s in w13.shape)
         self.format, self.order, self.topk = format, order, topk
         self.experts, self.hidden, self.intermediate = e, h_half * 2, two_n // 2
+        _check_activation(activation, w13_bias, w2_bias, e, self.hidden, self.intermediate, w13.device)
+        self.activation, self.alpha, self.limit = activation, float(alpha), float(limit)
+        self.w13_bias, self.w2_bias = w13_bias, w2_bias
         self.compression, self.scales_expanded, self.max_tokens = compression, scales_expanded, max_tokens
         self.plan = plan_moe(format, e, self.hidden, self.intermediate, topk, order, compression, max_tokens,
-                             stage_read_max_tokens, scale_layout)
+                             stage_read_max_tokens, scale_layout, activation, alpha, limit)
         dev = w13.device
         self.w13, self.w2 = w13, w2
         self.w13_global, self.w2_global = w13_global.to(torch.float32), w2_global.to(torch.float32)
@@ -192,7 +231,7 @@ class PreparedExperts:
                 format, e, self.hidden, self.intermediate, topk, order, compression, max_tokens,
                 stage_read_max_tokens, scale_layout, w13, ops._u8(w13_scale), None if mx else self.w13_global, w2,
                 ops._u8(w2_scale), None if mx else self.w2_global, s13, s2, scales_expanded, force_mode,
-                ops._stream(dev))
+                ops._stream(dev), activation, self.alpha, self.limit, w13_bias, w2_bias)
             if compression == "csf":
                 # The layer holds its own CSF copies: the native scales may go.
                 self._keep = None
@@ -248,7 +287,9 @@ class PreparedExperts:
     def _run(self, hidden, topk_ids, topk_weights):
         if self._layer is None:
             return fused_moe(hidden, self.w13, self.w2, self.w13_scale, self.w2_scale, self.w13_global,
-                             self.w2_global, topk_ids, topk_weights, self.format, self.order)
+                             self.w2_global, topk_ids, topk_weights, self.format, self.order,
+                             activation=self.activation, alpha=self.alpha, limit=self.limit,
+                             w13_bias=self.w13_bias, w2_bias=self.w2_bias)
         dev = self.device
         ops._check_tensor(hidden, "hidden", (torch.bfloat16,), 2, dev)
         ops._check_tensor(topk_ids, "topk_ids", ops.INDEX_DTYPES, 2, dev)

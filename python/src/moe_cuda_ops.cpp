@@ -24,6 +24,14 @@ const std::uint8_t* dptr(const Array& a, const char* what, std::uint64_t bytes, 
   return static_cast<const std::uint8_t*>(a.data());
 }
 
+// An optional FP32 device tensor of `values` values (expert biases).
+const float* f32_dptr(const std::optional<Array>& a, const char* what, std::uint64_t values, int device) {
+  if (!a) return nullptr;
+  if (a->dtype().code != static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float))
+    throw InvalidArgument(fmt::format("{}: expected float32", what));
+  return reinterpret_cast<const float*>(dptr(*a, what, 4 * values, device, 4));
+}
+
 struct CudaLayer {
   MoePlan plan;
   MoeWeights weights;
@@ -38,13 +46,17 @@ struct CudaLayer {
             std::int64_t stage_read_max_tokens, const std::string& scale_layout, Array w13, Array w13_scale,
             std::optional<Array> w13_global, Array w2, Array w2_scale, std::optional<Array> w2_global,
             std::optional<Array> scratch_w13, std::optional<Array> scratch_w2, bool expanded,
-            const std::string& force_mode, std::uintptr_t stream) {
+            const std::string& force_mode, std::uintptr_t stream, const std::string& activation, double alpha,
+            double limit, std::optional<Array> w13_bias, std::optional<Array> w2_bias) {
     MoeLayerGeometry g;
     g.experts = static_cast<std::uint32_t>(e);
     g.hidden = static_cast<std::uint32_t>(h);
     g.intermediate = static_cast<std::uint32_t>(n);
     g.topk = static_cast<std::uint32_t>(k);
     g.order = parse_gate_up_order(order);
+    g.activation.kind = parse_moe_activation(activation);
+    g.activation.alpha = alpha;
+    g.activation.limit = limit;
     if (e < 1 || h < 1 || n < 1 || k < 1 || e > 0xFFFFFFFF || h > 0xFFFFFFFF || n > 0xFFFFFFFF ||
         k > 0xFFFFFFFF)
       throw InvalidArgument("experts, hidden, intermediate and topk must be positive 32-bit values");
@@ -67,6 +79,8 @@ struct CudaLayer {
     if (w2_global)
       dw.w2_global =
           reinterpret_cast<const float*>(dptr(*w2_global, "w2_global", 4ull * g.experts, device, 4));
+    dw.w13_bias = f32_dptr(w13_bias, "w13_bias", 2ull * g.experts * g.intermediate, device);
+    dw.w2_bias = f32_dptr(w2_bias, "w2_bias", std::uint64_t(g.experts) * g.hidden, device);
     if (scratch_w13.has_value() != scratch_w2.has_value())
       throw InvalidArgument("scratch_w13 and scratch_w2 must be given together");
     if (scratch_w13) {
@@ -148,7 +162,8 @@ void bind_moe_cuda(nb::module_& m) {
       .def(nb::init<const std::string&, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
                     const std::string&, const std::string&, std::int64_t, std::int64_t, const std::string&,
                     Array, Array, std::optional<Array>, Array, Array, std::optional<Array>,
-                    std::optional<Array>, std::optional<Array>, bool, const std::string&, std::uintptr_t>())
+                    std::optional<Array>, std::optional<Array>, bool, const std::string&, std::uintptr_t,
+                    const std::string&, double, double, std::optional<Array>, std::optional<Array>>())
       .def("workspace_bytes", &CudaLayer::workspace_bytes)
       .def("is_bound", &CudaLayer::is_bound)
       .def("bind_stream", &CudaLayer::bind_stream)

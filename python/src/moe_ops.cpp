@@ -1,6 +1,7 @@
 // MoE bindings that need no GPU: planning (validation of a layer's geometry),
 // synthetic layers for tests, the quantizer of stacked expert weights and the
 // float64 CPU reference.
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include <algorithm>
@@ -46,6 +47,24 @@ std::vector<T> vec_of(const Array& a, const char* what, std::uint64_t want) {
   if (n != want) throw InvalidArgument(fmt::format("{}: expected {} elements, got {}", what, want, n));
   const T* p = static_cast<const T*>(a.data());
   return std::vector<T>(p, p + n);
+}
+
+// An optional FP32 tensor of `want` values (expert biases).
+std::vector<float> f32_vec_of(const std::optional<Array>& a, const char* what, std::uint64_t want) {
+  if (!a) return {};
+  if (a->dtype().code != static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float))
+    throw InvalidArgument(fmt::format("{}: expected float32", what));
+  return vec_of<float>(*a, what, want);
+}
+
+// The activation of a layer from its binding arguments, validated.
+MoeActivationSpec activation_arg(const std::string& activation, double alpha, double limit) {
+  MoeActivationSpec spec;
+  spec.kind = parse_moe_activation(activation);
+  spec.alpha = alpha;
+  spec.limit = limit;
+  validate(spec);
+  return spec;
 }
 
 // Quantizes `experts` stacked float32 matrices [rows, cols] (one global scale
@@ -135,7 +154,8 @@ void bind_moe(nb::module_& m) {
       "moe_plan",
       [](const std::string& format, std::int64_t e, std::int64_t h, std::int64_t n, std::int64_t k,
          const std::string& order, const std::string& compression, std::int64_t max_tokens,
-         std::int64_t stage_read_max_tokens, const std::string& scale_layout) {
+         std::int64_t stage_read_max_tokens, const std::string& scale_layout, const std::string& activation,
+         double alpha, double limit) {
         MoeConstraints c;
         c.compression = parse_scale_compression(compression);
         if (max_tokens < 1 || max_tokens > 0x7FFFFFFF)
@@ -145,7 +165,11 @@ void bind_moe(nb::module_& m) {
         c.max_tokens = static_cast<std::uint32_t>(max_tokens);
         c.stage_read_max_tokens = static_cast<std::uint32_t>(stage_read_max_tokens);
         c.scale_layout = layout_arg(scale_layout);
-        const MoePlan p = plan_weights(format_arg(format), layer_arg(e, h, n, k, order), c);
+        MoeLayerGeometry g = layer_arg(e, h, n, k, order);
+        g.activation.kind = parse_moe_activation(activation);
+        g.activation.alpha = alpha;
+        g.activation.limit = limit;
+        const MoePlan p = plan_weights(format_arg(format), g, c);
         nb::dict d;
         d["w13_scales"] = shape_dict(p.w13_scales);
         d["w2_scales"] = shape_dict(p.w2_scales);
@@ -157,7 +181,8 @@ void bind_moe(nb::module_& m) {
       },
       nb::arg("format"), nb::arg("experts"), nb::arg("hidden"), nb::arg("intermediate"), nb::arg("topk"),
       nb::arg("order") = "w13", nb::arg("compression") = "none", nb::arg("max_tokens") = 4096,
-      nb::arg("stage_read_max_tokens") = 1536, nb::arg("scale_layout") = "row_major");
+      nb::arg("stage_read_max_tokens") = 1536, nb::arg("scale_layout") = "row_major",
+      nb::arg("activation") = "silu", nb::arg("alpha") = kGptOssAlpha, nb::arg("limit") = kGptOssLimit);
 
   m.def(
       "synthetic_moe_weights",
@@ -197,11 +222,7 @@ void bind_moe(nb::module_& m) {
         const auto n = f64(gate, "gate");
         if (f64(up, "up") != n || f64(out, "out") != n)
           throw InvalidArgument("moe_activation: gate, up and out must hold the same number of values");
-        MoeActivationSpec spec;
-        spec.kind = parse_moe_activation(activation);
-        spec.alpha = alpha;
-        spec.limit = limit;
-        validate(spec);
+        const MoeActivationSpec spec = activation_arg(activation, alpha, limit);
         const auto* g = static_cast<const double*>(gate.data());
         const auto* u = static_cast<const double*>(up.data());
         auto* o = static_cast<double*>(out.data());
@@ -215,10 +236,13 @@ void bind_moe(nb::module_& m) {
       "moe_reference",
       [](const std::string& format, std::int64_t e, std::int64_t h, std::int64_t n, std::int64_t k,
          const std::string& order, Array w13, Array w13_scale, Array w13_global, Array w2, Array w2_scale,
-         Array w2_global, Array hidden, Array topk_ids, Array topk_weights, Array out, std::int64_t threads) {
+         Array w2_global, Array hidden, Array topk_ids, Array topk_weights, Array out, std::int64_t threads,
+         const std::string& activation, double alpha, double limit, std::optional<Array> w13_bias,
+         std::optional<Array> w2_bias) {
         MoeHostWeights w;
         w.format = format_arg(format);
         w.geometry = layer_arg(e, h, n, k, order);
+        w.geometry.activation = activation_arg(activation, alpha, limit);
         const std::uint64_t E = w.geometry.experts, H = w.geometry.hidden, N = w.geometry.intermediate;
         const std::uint64_t g = group_size(w.format);
         if (H % g || N % g)
@@ -231,6 +255,8 @@ void bind_moe(nb::module_& m) {
         w.w2 = vec_of<std::uint8_t>(w2, "w2", E * H * N / 2);
         w.w2_scales = vec_of<std::uint8_t>(w2_scale, "w2_scale", E * H * N / g);
         w.w2_global = vec_of<float>(w2_global, "w2_global", E);
+        w.w13_bias = f32_vec_of(w13_bias, "w13_bias", E * 2 * N);
+        w.w2_bias = f32_vec_of(w2_bias, "w2_bias", E * H);
         const auto nh = check_array(hidden, "hidden", Dev::cpu, 2);
         if (nh % H) throw InvalidArgument(fmt::format("hidden: {} elements is not [T, {}]", nh, H));
         const auto tokens = nh / H;
@@ -259,7 +285,9 @@ void bind_moe(nb::module_& m) {
       nb::arg("format"), nb::arg("experts"), nb::arg("hidden_size"), nb::arg("intermediate"), nb::arg("topk"),
       nb::arg("order"), nb::arg("w13"), nb::arg("w13_scale"), nb::arg("w13_global"), nb::arg("w2"),
       nb::arg("w2_scale"), nb::arg("w2_global"), nb::arg("hidden"), nb::arg("topk_ids"),
-      nb::arg("topk_weights"), nb::arg("out"), nb::arg("threads") = 0);
+      nb::arg("topk_weights"), nb::arg("out"), nb::arg("threads") = 0, nb::arg("activation") = "silu",
+      nb::arg("alpha") = kGptOssAlpha, nb::arg("limit") = kGptOssLimit, nb::arg("w13_bias") = nb::none(),
+      nb::arg("w2_bias") = nb::none());
 }
 
 }  // namespace csfmoe::py

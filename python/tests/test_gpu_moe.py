@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import csfmoe
-from test_moe_cpu import layer, routing
+from test_moe_cpu import gpt_oss_biases, layer, routing
 from torch_reference import moe as torch_moe
 
 pytestmark = [
@@ -36,6 +36,34 @@ def test_fused_moe_matches_torch(gen, fmt, compression):
     torch.cuda.synchronize()
     err = (got.cpu().double() - want).norm() / want.norm()
     assert err < TOL, err
+
+
+@pytest.mark.parametrize("fmt,order", [("nvfp4", "w13"), ("mxfp4", "w31")])
+def test_gpt_oss_with_biases_matches_torch_in_every_mode(gen, fmt, order):
+    """gpt-oss's clamped SwiGLU and expert biases in the kernels' epilogue and
+    combine: decode (T = 3), grouped (T = 200) and every scale mode, against
+    the float64 PyTorch formula; the scale modes bitwise equal."""
+    e, h, n, k = 16, 256, 128, 4
+    L = layer(gen, fmt, e, h, n, order)
+    b13, b2 = gpt_oss_biases(gen, e, h, n)
+    dev = {key: v.cuda() for key, v in L.items()}
+    args = (dev["w13"], dev["w2"], dev["w13_scale"], dev["w2_scale"], dev["w13_global"], dev["w2_global"], fmt,
+            order, k)
+    kw = dict(activation="gpt_oss", w13_bias=b13.cuda(), w2_bias=b2.cuda(), max_tokens=256)
+    for t in (3, 200):
+        hidden = (torch.randn(t, h, generator=gen) * 2).to(torch.bfloat16)
+        ids, wts = routing(gen, t, k, e)
+        want = torch_moe(hidden, L["w13"], L["w13_scale"], L["w13_global"], L["w2"], L["w2_scale"],
+                         L["w2_global"], ids, wts, fmt, order, "gpt_oss", 1.702, 7.0, b13, b2)
+        hidden, ids, wts = hidden.cuda(), ids.cuda(), wts.cuda()
+        base = csfmoe.PreparedExperts(*args, **kw)(hidden, ids, wts)
+        err = (base.cpu().double() - want).norm() / want.norm()
+        assert err < TOL, (t, err)
+        for mode in ("stage_read", "routed"):
+            p = csfmoe.PreparedExperts(*args, compression="csf", force_mode=mode, **kw)
+            assert torch.equal(p(hidden, ids, wts), base), (t, mode)
+    with pytest.raises(csfmoe.InvalidArgument, match="w13_bias: expected a tensor on cuda"):
+        csfmoe.PreparedExperts(*args, activation="gpt_oss", w13_bias=b13)
 
 
 def test_scale_modes_bitwise_equal(gen):

@@ -88,6 +88,56 @@ def test_moe_rejections(gen):
         csfmoe.plan_moe("nvfp4", 4, 100, 64, 2)
 
 
+def gpt_oss_biases(gen, e, h, n):
+    """Expert biases as gpt-oss's: a quarter of the gate/up ones large enough
+    to push their outputs past the clamp limit."""
+    b13 = torch.randn(e, 2 * n, generator=gen) * 0.5
+    big = torch.rand(e, 2 * n, generator=gen) < 0.25
+    b13[big] = torch.empty(int(big.sum())).uniform_(-12, 12, generator=gen)
+    return b13.float(), (torch.randn(e, h, generator=gen) * 0.5).float()
+
+
+@pytest.mark.parametrize("fmt,order", [("nvfp4", "w13"), ("mxfp4", "w31")])
+def test_reference_op_gpt_oss_with_biases_matches_torch(gen, fmt, order):
+    e, h, n, t, k = 4, 128, 64, 6, 2
+    L = layer(gen, fmt, e, h, n, order)
+    hidden = (torch.randn(t, h, generator=gen) * 2).to(torch.bfloat16)
+    ids, wts = routing(gen, t, k, e)
+    b13, b2 = gpt_oss_biases(gen, e, h, n)
+    args = (hidden, L["w13"], L["w13_scale"], L["w13_global"], L["w2"], L["w2_scale"], L["w2_global"], ids, wts)
+    for alpha, limit, biases in ((1.702, 7.0, (b13, b2)), (0.9, 3.0, (b13, None)), (1.702, 7.0, (None, None))):
+        got = torch.ops.csfmoe.moe_reference(*args, fmt, order, 0, "gpt_oss", alpha, limit, *biases)
+        want = torch_moe(*args, fmt, order, "gpt_oss", alpha, limit, *biases)
+        err = (got.double() - want).norm() / want.norm()
+        assert err < 1e-6, (alpha, limit, err)
+    silu = torch_moe(*args, fmt, order)
+    assert (want - silu).norm() > 0.1 * silu.norm()  # the activation matters on these inputs
+    # PreparedExperts and fused_moe on the CPU take the same arguments.
+    p = csfmoe.PreparedExperts(L["w13"], L["w2"], L["w13_scale"], L["w2_scale"], L["w13_global"], L["w2_global"],
+                               fmt, order, k, compression="csf", activation="gpt_oss", w13_bias=b13, w2_bias=b2)
+    want = torch_moe(*args, fmt, order, "gpt_oss", 1.702, 7.0, b13, b2)
+    assert ((p(hidden, ids, wts).double() - want).norm() / want.norm()).item() < 4e-3
+
+
+def test_gpt_oss_arguments_checked(gen):
+    e, h, n = 4, 128, 64
+    L = layer(gen, "nvfp4", e, h, n)
+    b13, b2 = gpt_oss_biases(gen, e, h, n)
+    args = (L["w13"], L["w2"], L["w13_scale"], L["w2_scale"], L["w13_global"], L["w2_global"], "nvfp4", "w13", 2)
+    with pytest.raises(csfmoe.InvalidArgument, match="w13_bias: expert biases are for the gpt_oss activation"):
+        csfmoe.PreparedExperts(*args, w13_bias=b13)
+    with pytest.raises(csfmoe.InvalidArgument, match=r"w2_bias: expected shape \[4, 128\]"):
+        csfmoe.PreparedExperts(*args, activation="gpt_oss", w2_bias=b2[:, :64].contiguous())
+    with pytest.raises(csfmoe.InvalidArgument, match="w13_bias: dtype"):
+        csfmoe.PreparedExperts(*args, activation="gpt_oss", w13_bias=b13.half())
+    with pytest.raises(csfmoe.InvalidArgument, match="alpha"):
+        csfmoe.PreparedExperts(*args, activation="gpt_oss", alpha=float("nan"))
+    with pytest.raises(csfmoe.InvalidArgument, match="limit"):
+        csfmoe.plan_moe("nvfp4", e, h, n, 2, activation="gpt_oss", limit=0.0)
+    with pytest.raises(csfmoe.InvalidArgument, match="activation"):
+        csfmoe.PreparedExperts(*args, activation="swiglu")
+
+
 def _gpt_oss_formula(gate, up, alpha=1.702, limit=7.0):
     """transformers' GptOssExperts activation, written out in float64."""
     gate = gate.clamp(max=limit)

@@ -25,19 +25,34 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, glob: torch.Tensor, f
 
 
 def moe(hidden, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids, topk_weights, fmt="nvfp4",
-        order="w13"):
+        order="w13", activation="silu", alpha=1.702, limit=7.0, w13_bias=None, w2_bias=None):
+    """activation "gpt_oss": transformers' GptOssExperts activation written
+    out here, on gate and up plus the optional biases (w13_bias in w13's row
+    order); w2_bias is added to each expert's output before the weighting."""
     W13 = dequantize(w13, w13_scale, w13_global, fmt)
     W2 = dequantize(w2, w2_scale, w2_global, fmt)
     n = W13.shape[1] // 2
     x = hidden.cpu().to(torch.float64)
     ids = topk_ids.cpu().to(torch.int64)
     wts = topk_weights.cpu().to(torch.float64)
+    b13 = None if w13_bias is None else w13_bias.cpu().to(torch.float64)
+    b2 = None if w2_bias is None else w2_bias.cpu().to(torch.float64)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
             gu = W13[e] @ x[t]
+            if b13 is not None:
+                gu = gu + b13[e]
             gate, up = (gu[:n], gu[n:]) if order == "w13" else (gu[n:], gu[:n])
-            act = gate * torch.sigmoid(gate) * up
-            out[t] += wts[t, j] * (W2[e] @ act)
+            if activation == "gpt_oss":
+                gate = gate.clamp(max=limit)
+                up = up.clamp(min=-limit, max=limit)
+                act = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+            else:
+                act = gate * torch.sigmoid(gate) * up
+            y = W2[e] @ act
+            if b2 is not None:
+                y = y + b2[e]
+            out[t] += wts[t, j] * y
     return out

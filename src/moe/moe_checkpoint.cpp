@@ -419,11 +419,14 @@ MoeLayerSpec resolve_moe_layer(const MoeTensorSource& src, std::string_view laye
   if (found[0] != Layout::per_expert) {
     const bool oss = found[0] == Layout::gptoss;
     spec.naming = oss ? "gpt-oss" : "stacked";
-    // The MoE API has no expert biases: running without them would be silently wrong.
+    // This loader reads no expert biases (nor gpt-oss's activation and row
+    // interleave): running without them would be silently wrong. Such layers
+    // run through MoeHostWeights / MoeDeviceWeights with their biases.
     for (const char* b : {".gate_up_proj_bias", ".down_proj_bias", ".w13.bias", ".w2.bias"})
       if (src.find(L + b))
-        throw Unsupported(fmt::format("{}: tensor '{}{}': expert biases are not supported by the MoE API",
-                                      src.label_of(L + b), L, b));
+        throw Unsupported(
+            fmt::format("{}: tensor '{}{}': the MoE checkpoint loader does not read expert biases",
+                        src.label_of(L + b), L, b));
     const std::string n13 = L + (oss ? ".gate_up_proj_blocks" : ".w13.weight");
     const std::string n2 = L + (oss ? ".down_proj_blocks" : ".w2.weight");
     const std::string s13 = L + (oss ? ".gate_up_proj_scales" : ".w13.weight_scale");

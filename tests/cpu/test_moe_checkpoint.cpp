@@ -289,7 +289,7 @@ TEST(MoeCheckpoint, GptOssMxfp4) {
   compress_checkpoint(dir / "m.safetensors", dir / "c.safetensors", force_csf());
   expect_same(load_moe_layer(dir / "c.safetensors", kL0, g.topk), w);
 
-  // Expert biases have no place in the MoE API: refused, not dropped.
+  // The loader reads no expert biases: refused, not dropped.
   auto ts = stacked_tensors(kL0, w);
   const std::uint64_t E = g.experts, N = g.intermediate;
   ts.push_back({kL0 + ".gate_up_proj_bias", st::Dtype::F32, {E, 2 * N}, Bytes(E * 2 * N * 4)});

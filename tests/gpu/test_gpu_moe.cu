@@ -81,7 +81,7 @@ std::vector<T> download(const void* p, std::size_t count) {
 // weights kept native (row-major), and CSF with a scale scratch.
 struct Layer {
   MoeHostWeights host;
-  Buf w13, w2, s13, s2, g13, g2, scratch13, scratch2;
+  Buf w13, w2, s13, s2, g13, g2, b13, b2, scratch13, scratch2;
   MoePlan plan_native, plan_csf;
   std::unique_ptr<MoeWeights> native, csf;
 
@@ -109,6 +109,10 @@ struct Layer {
     d.w2_scales = s2.as<std::uint8_t>();
     d.w13_global = g13.as<float>();
     d.w2_global = g2.as<float>();
+    if (!host.w13_bias.empty()) b13 = Buf::of(host.w13_bias);
+    if (!host.w2_bias.empty()) b2 = Buf::of(host.w2_bias);
+    d.w13_bias = b13.as<float>();
+    d.w2_bias = b2.as<float>();
     native = std::make_unique<MoeWeights>(prepare_weights(plan_native, d, nullptr, nullptr));
     c.compression = ScaleCompression::csf;
     plan_csf = plan_weights(f, g, c);
@@ -405,6 +409,38 @@ TEST_F(GpuMoe, EveryModeMatchesReferenceAcrossTokenCountsAndTopk) {
         check_all_modes(l, in, call,
                         std::string(to_string(f)) + " k=" + std::to_string(k) + " T=" + std::to_string(T));
       }
+    }
+  }
+}
+
+// gpt-oss's clamped SwiGLU with expert biases in every kernel's gate/up
+// epilogue and the combine's down bias: every kernel and scale mode against
+// the float64 reference, both gate/up orders. A quarter of the bias rows lie
+// beyond the clamp limit on either side, so both clamps and the linear part
+// are exercised.
+TEST_F(GpuMoe, GptOssActivationWithBiasesEveryKernelAndMode) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const auto add_biases = [&](MoeHostWeights& w) {
+    const auto& g = w.geometry;
+    std::normal_distribution<float> small(0.0f, 0.5f);
+    std::uniform_real_distribution<float> wide(-12.0f, 12.0f);
+    std::bernoulli_distribution far(0.25);
+    w.w13_bias.resize(std::size_t{g.experts} * 2 * g.intermediate);
+    w.w2_bias.resize(std::size_t{g.experts} * g.hidden);
+    for (auto& b : w.w13_bias) b = far(rng) ? wide(rng) : small(rng);
+    for (auto& b : w.w2_bias) b = small(rng);
+  };
+  for (const GateUpOrder order : {GateUpOrder::w13, GateUpOrder::w31}) {
+    for (ScaleFormat f : {ScaleFormat::nvfp4, ScaleFormat::mxfp4}) {
+      MoeLayerGeometry g{16, 256, 128, 4, order};
+      g.activation = MoeActivationSpec::gpt_oss();
+      Layer l(f, g, seed + 7, 512, ScaleLayout::row_major, add_biases);
+      Call call(l.plan_csf, 512);
+      for (std::uint32_t T : {1u, 9u, 64u, 257u})
+        check_all_modes(
+            l, random_inputs(rng, T, g), call,
+            std::string(to_string(f)) + " " + std::string(to_string(order)) + " T=" + std::to_string(T));
     }
   }
 }
@@ -977,10 +1013,18 @@ TEST_F(GpuMoe, HostChecksRejectBadArguments) {
   MoeDeviceWeights d = l.native->source();
   d.w13 = d.w13 + 1;
   EXPECT_THROW(prepare_weights(l.plan_native, d, nullptr, nullptr), InvalidArgument);
-  // gpt-oss's clamped SwiGLU has no kernel yet: refused before any upload.
+  // Biases belong to gpt_oss layers, on the device, FP32 and 16-byte aligned.
+  Buf bias(4 * 2 * g.experts * g.intermediate + 16);
+  d = l.native->source();
+  d.w13_bias = bias.as<float>();
+  EXPECT_THROW(prepare_weights(l.plan_native, d, nullptr, nullptr), InvalidArgument);
   MoePlan oss = l.plan_native;
   oss.geometry.activation = MoeActivationSpec::gpt_oss();
-  EXPECT_THROW(prepare_weights(oss, l.native->source(), nullptr, nullptr), Unsupported);
+  d.w13_bias = bias.as<float>() + 1;
+  EXPECT_THROW(prepare_weights(oss, d, nullptr, nullptr), InvalidArgument);
+  std::vector<float> host_bias(2 * g.experts * g.intermediate);
+  d.w13_bias = host_bias.data();
+  EXPECT_THROW(prepare_weights(oss, d, nullptr, nullptr), InvalidArgument);
 }
 
 }  // namespace

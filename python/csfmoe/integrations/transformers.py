@@ -20,8 +20,8 @@ Supported blocks (transformers >= 5, fused 3-D expert parameters):
 
 On the CPU the experts run a float64 reference over the exactly dequantized
 FP4 weights (slow; for tests and checks). On CUDA they run csfmoe's fused
-kernels (PreparedExperts); those compute SiLU(gate) * up without biases, so
-gpt-oss blocks raise Unsupported there.
+kernels (PreparedExperts), gpt-oss's clamped SwiGLU and expert biases
+included (the kernels' gate/up epilogue and combine add them).
 
 `unpatch_model(model)` puts the original expert modules back (patching keeps
 them; on CUDA they wait in host memory unless offload_original=False), so the
@@ -234,18 +234,17 @@ def _quantize_named(name: str, what: str, w: torch.Tensor, format: str) -> dict:
         raise type(err)(f"{where}: {err}") from None
 
 
-def _check_kernels(name: str, format: str, scales: str, w13_shape, topk: int, max_tokens: int,
-                   device: torch.device, swiglu: str) -> None:
+def _check_kernels(name: str, format: str, scales: str, w13_shape, topk: int, max_tokens: int, swiglu: str,
+                   clamp: Optional[Tuple[float, float]]) -> None:
     e, two_n, h = (int(s) for s in w13_shape)
     n = two_n // 2
     where = f"{name} (E={e}, H={h}, N={n}, top-k={topk}, {format})"
     try:
-        _moe.plan_moe(format, e, h, n, topk, "w13", "csf" if scales == "csf" else "none", max_tokens)
+        alpha, limit = clamp if clamp is not None else (1.702, 7.0)
+        _moe.plan_moe(format, e, h, n, topk, "w13", "csf" if scales == "csf" else "none", max_tokens,
+                      activation=swiglu, alpha=alpha, limit=limit)
     except InvalidArgument as err:
         raise InvalidArgument(f"patch_model: {where}: the csfmoe kernels cannot run these experts: {err}") from None
-    if device.type == "cuda" and swiglu != "silu":
-        raise Unsupported(f"patch_model: {where}: the csfmoe CUDA kernels compute SiLU(gate) * up without biases; "
-                          f"the clamped SwiGLU with expert biases of gpt-oss runs only on the CPU reference")
 
 
 class CsfExperts(nn.Module):
@@ -260,8 +259,9 @@ class CsfExperts(nn.Module):
 
     CPU: float64 reference over the exactly dequantized weights (the scales
     go through the CSF codec first when scales="csf"); bf16 hidden states
-    with SiLU experts run the library's C++ reference (csfmoe.moe_reference)
-    instead. CUDA: csfmoe's fused kernels (bf16 in, bf16 out)."""
+    run the library's C++ reference (csfmoe.moe_reference) instead. CUDA:
+    csfmoe's fused kernels (bf16 in, bf16 out). gpt-oss's clamped SwiGLU and
+    biases run in both (the activation's one home, moe_activation)."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, topk: int, format: str = "nvfp4",
                  scales: str = "csf", device: Optional[torch.device] = None, b13: Optional[torch.Tensor] = None,
@@ -278,7 +278,7 @@ class CsfExperts(nn.Module):
         n = two_n // 2
         device = torch.device(device) if device is not None else w13.device
         compression = "csf" if scales == "csf" else "none"
-        _check_kernels(name, format, scales, w13.shape, topk, max_tokens, device, swiglu)
+        _check_kernels(name, format, scales, w13.shape, topk, max_tokens, swiglu, clamp)
         _check_device(name, device)
         self.format, self.scales, self.swiglu, self.clamp = format, scales, swiglu, clamp
         self.num_experts, self.hidden_dim, self.intermediate_dim, self.top_k = e, h, n, topk
@@ -288,19 +288,22 @@ class CsfExperts(nn.Module):
         else:
             # Errors name the entry as the caller keyed it (patch_model: the block's name).
             q13, q2 = _fp4_tensors(name if quantized_key is None else quantized_key, quantized, format, e, h, n)
+        # Biases are not quantized: float32 (the kernels' type; exact for the
+        # bf16, fp16 and fp32 biases of a model) in w13's row order.
+        self.b13 = None if b13 is None else b13.to(device=device, dtype=torch.float32).contiguous()
+        self.b2 = None if b2 is None else b2.to(device=device, dtype=torch.float32).contiguous()
+        alpha, limit = clamp if clamp is not None else (1.702, 7.0)
         self.layer = _moe.PreparedExperts(q13["packed"].to(device), q2["packed"].to(device),
                                           q13["scales"].to(device), q2["scales"].to(device),
                                           q13["global"].to(device), q2["global"].to(device), format, "w13", topk,
                                           compression, max_tokens=max_tokens, scales_expanded=scales_expanded,
-                                          scratch=scratch)
+                                          scratch=scratch, activation=swiglu, alpha=alpha, limit=limit,
+                                          w13_bias=self.b13, w2_bias=self.b2)
         # A CUDA layer with CSF scales drops its native scales; a host copy
         # (1/16 or 1/32 of the FP4 bytes) keeps dequantized() available.
         self._host_scales = (q13["scales"], q2["scales"]) if self.layer.w13_scale is None else None
         self._chain: Optional[_ExpandAhead] = None
         self._chain_index = 0
-        # Biases stay in the model's precision: csfmoe quantizes weights only.
-        self.b13 = None if b13 is None else b13.to(device).clone()
-        self.b2 = None if b2 is None else b2.to(device).clone()
         self._dequantized = None
 
     def extra_repr(self) -> str:
@@ -377,7 +380,7 @@ class CsfExperts(nn.Module):
                                   f"{list(top_k_weights.shape)} must both be [T={hidden_states.shape[0]}, "
                                   f"{self.top_k}]")
         if self.device.type == "cpu":
-            if hidden_states.dtype == torch.bfloat16 and self.swiglu == "silu":
+            if hidden_states.dtype == torch.bfloat16:
                 out = self.layer(hidden_states.contiguous(), top_k_index.contiguous(),
                                  top_k_weights.to(torch.float32).contiguous())
             else:
@@ -550,7 +553,7 @@ def patch_model(model: nn.Module, format: str = "nvfp4", scales: str = "csf",
             raise InvalidArgument(f"patch_model: expand_ahead needs all MoE blocks on one CUDA device with one "
                                   f"geometry (they share a scale scratch); found {sorted(map(str, shapes))}")
     for name, block, kind, (w13, w2, b13, b2, clamp), topk, dev in found:
-        _check_kernels(f"{name}.experts", format, scales, w13.shape, topk, max_tokens, dev, kind.swiglu)
+        _check_kernels(f"{name}.experts", format, scales, w13.shape, topk, max_tokens, kind.swiglu, clamp)
     for name, _, _, _, _, dev in found:
         _check_device(f"patch_model: {name}.experts", dev)
     # One block at a time (its original offloaded before the next is

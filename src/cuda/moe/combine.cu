@@ -1,7 +1,8 @@
 // Weighted combine: out[t] = sum over slots j in order of w[t, j] * y[t*k + j],
-// y the per-slot outputs in FP32 or bf16 (the grouped kernel's), summed in
-// FP32. One thread owns 4 consecutive outputs of one token, so the sum order
-// is fixed and the result identical run to run (no atomics).
+// y the per-slot outputs in FP32 or bf16 (the grouped kernel's) plus the
+// expert's down bias where the layer has one, summed in FP32. One thread
+// owns 4 consecutive outputs of one token, so the sum order is fixed and the
+// result identical run to run (no atomics).
 #include <cuda_bf16.h>
 
 #include "cuda/moe/launchers.hpp"
@@ -41,7 +42,11 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
     const long long id = static_cast<long long>(ids[j]);
     if (id < 0 || id >= p.experts) continue;  // counted by the routing kernel
     const float w = wt[j];
-    const float4 y = slot_values<Bf16>(p, (std::uint64_t{t} * p.topk + j) * p.hidden + h);
+    float4 y = slot_values<Bf16>(p, (std::uint64_t{t} * p.topk + j) * p.hidden + h);
+    if (p.bias != nullptr) {
+      const float4 b = __ldg(reinterpret_cast<const float4*>(p.bias + std::uint64_t(id) * p.hidden + h));
+      y.x += b.x, y.y += b.y, y.z += b.z, y.w += b.w;
+    }
     acc.x = fmaf(w, y.x, acc.x);
     acc.y = fmaf(w, y.y, acc.y);
     acc.z = fmaf(w, y.z, acc.z);

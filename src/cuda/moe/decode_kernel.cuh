@@ -519,7 +519,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
         };
         if constexpr (GateUp) {
           const float gate = sum(o), up = sum(o + kOutPerBlock);
-          const float y = SiluMul::apply(gate, up);
+          const float y = gate_up_value(p, e, n0 + o, gate, up);
           const __nv_bfloat16 h = __float2bfloat16_rn(y);
           p.act[std::uint64_t(row0 + tok0 + m) * p.n + n0 + o] = *reinterpret_cast<const std::uint16_t*>(&h);
         } else {

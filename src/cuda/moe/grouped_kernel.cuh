@@ -326,7 +326,7 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
           const float g0 = acc[mt][4 * j] * gs, g1 = acc[mt][4 * j + 1] * gs;      // row g, tokens 0 / 1
           const float h0 = acc[mt][4 * j + 2] * gs, h1 = acc[mt][4 * j + 3] * gs;  // row g + 8
           if constexpr (GateUp) {
-            const float y0 = SiluMul::apply(g0, h0), y1 = SiluMul::apply(g1, h1);
+            const float y0 = gate_up_value(p, e, o, g0, h0), y1 = gate_up_value(p, e, o, g1, h1);
             const float theirs = __shfl_xor_sync(kAll, b ? y0 : y1, 4 * kPairBit);
             const float mine = b ? y1 : y0;
             const __nv_bfloat162 pair =

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "csfmoe/call_plan.hpp"
+#include "csfmoe/detail/activation.hpp"
 #include "csfmoe/device_codec.hpp"
 #include "csfmoe/formats.hpp"
 #include "moe/routing_tiles.hpp"
@@ -74,6 +75,12 @@ struct GemmParams {
   std::uint32_t n = 0;
   std::uint32_t gate_row0 = 0, up_row0 = 0;
   std::uint16_t* act = nullptr;
+  // gate/up: the layer's activation (epilogue.cuh, gate_up_value); gpt_oss
+  // first adds bias [E, out_rows] (FP32, w13 row order; null: none) to the
+  // gate and up rows.
+  MoeActivation activation = MoeActivation::silu;
+  float act_alpha = 0.0f, act_limit = 0.0f;
+  const float* bias = nullptr;
   // down: per-slot outputs [T * k, H] f32, or bf16 where slot_out16 is set
   // (grouped kernel).
   float* slot_out = nullptr;
@@ -132,6 +139,9 @@ struct CombineParams {
   const void* ids = nullptr;
   const float* weights = nullptr;
   std::uint16_t* out = nullptr;  // bf16 [T, H]
+  // Down-projection bias [E, H] (FP32, gpt_oss layers; null: none): slot j
+  // of token t adds bias[id] to its output before the weighting.
+  const float* bias = nullptr;
   std::uint32_t tokens = 0, topk = 0, hidden = 0, experts = 0;
   bool chained = false;  // programmatic dependent launch (launch.cuh)
 };

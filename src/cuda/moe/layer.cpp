@@ -133,14 +133,6 @@ moe_detail::StageReadIndex host_stage_read_index(const DeviceCsfTensor& t,
 
 MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const ScaleScratch* scratch,
                            cudaStream_t stream) {
-  // The kernels' gate/up epilogue is instantiated for SiLU * up only; the
-  // clamped SwiGLU policy (csfmoe/detail/activation.hpp) and its biases have
-  // no kernel yet, so such a layer runs on the CPU reference alone.
-  if (plan.geometry.activation.kind != MoeActivation::silu)
-    throw Unsupported(fmt::format(
-        "prepare_weights: the {} activation (clamped SwiGLU with expert biases) has no GPU kernel yet; "
-        "moe_reference computes it on the CPU",
-        to_string(plan.geometry.activation.kind)));
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     (void)cudaGetLastError();
@@ -155,6 +147,16 @@ MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const
   check_pointer(w.w2, "prepare_weights: weights.w2", w.device, 16);
   check_pointer(w.w13_scales, "prepare_weights: weights.w13_scales", w.device, csf ? 1 : 16);
   check_pointer(w.w2_scales, "prepare_weights: weights.w2_scales", w.device, csf ? 1 : 16);
+  if (plan.geometry.activation.kind == MoeActivation::gpt_oss) {
+    // Optional (a gpt_oss layer without biases adds none); FP32, 16-byte
+    // aligned for the combine's float4 reads.
+    if (w.w13_bias) check_pointer(w.w13_bias, "prepare_weights: weights.w13_bias", w.device, 16);
+    if (w.w2_bias) check_pointer(w.w2_bias, "prepare_weights: weights.w2_bias", w.device, 16);
+  } else if (w.w13_bias || w.w2_bias) {
+    throw InvalidArgument(fmt::format(
+        "prepare_weights: weights.w13_bias/w2_bias are for the gpt_oss activation only, the layer's is {}",
+        to_string(plan.geometry.activation.kind)));
+  }
   if (plan.format == ScaleFormat::nvfp4) {
     check_pointer(w.w13_global, "prepare_weights: weights.w13_global (NVFP4 needs per-expert FP32 globals)",
                   w.device, 4);
@@ -422,6 +424,10 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   gp.gate_row0 = g.order == GateUpOrder::w13 ? 0 : g.intermediate;
   gp.up_row0 = g.order == GateUpOrder::w13 ? g.intermediate : 0;
   gp.act = act;
+  gp.activation = g.activation.kind;
+  gp.act_alpha = float(g.activation.alpha);
+  gp.act_limit = float(g.activation.limit);
+  gp.bias = w.source().w13_bias;
   gp.chained = plan.programmatic_launch;
   using moe_detail::GemmPath;
   const GemmPath path = plan.kernel == MoeKernel::tiled     ? GemmPath::tiled
@@ -453,6 +459,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   dp.scales = s2;
   dp.global = w.source().w2_global;
   dp.act = nullptr;
+  dp.bias = nullptr;
   dp.slot_out = slot_out;
   dp.decode = plan.down;
   if (plan.bf16_slots) dp.slot_out16 = reinterpret_cast<std::uint16_t*>(slot_out);
@@ -471,6 +478,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   cp.topk = g.topk;
   cp.hidden = std::uint32_t(H);
   cp.experts = g.experts;
+  cp.bias = w.source().w2_bias;
   cp.chained = plan.programmatic_launch;
   moe_detail::launch_combine(id_type, cp, b.stream_);
   (void)N;

@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) moe_prefill_kernel(GemmPar
         if (m >= valid) continue;
         const float r0 = acc[mt][4 * j + v] * gs, r1 = acc[mt][4 * j + 2 + v] * gs;
         if constexpr (GateUp) {
-          const float y = SiluMul::apply(r0, r1);
+          const float y = gate_up_value(p, e, o, r0, r1);
           const __nv_bfloat16 hy = __float2bfloat16_rn(y);
           // Permuted for the down projection's K (prefill_k_source).
           p.act[std::uint64_t(row0 + m) * p.n + prefill_permuted_column(o)] =

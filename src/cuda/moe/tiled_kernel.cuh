@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kGemmThreads) moe_gemm_kernel(GemmParams p) {
       for (int u = 0; u < 2; ++u) {
         const float g = se.c[0][m][n + u] * gs;
         const float up = se.c[1][m][n + u] * gs;
-        out[u] = SiluMul::apply(g, up);
+        out[u] = gate_up_value(p, e, n0 + n + u, g, up);
       }
       *reinterpret_cast<__nv_bfloat162*>(p.act + std::uint64_t(row0 + m) * p.n + n0 + n) =
           __floats2bfloat162_rn(out[0], out[1]);
