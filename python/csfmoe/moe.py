@@ -169,10 +169,13 @@ class PreparedExperts:
 
     Mirrors the C++ lifecycle (csfmoe/moe_cuda.hpp): the constructor plans
     (validates geometry and constraints) and prepares the weights; on CUDA
-    that encodes CSF scales on the device and synchronizes, so build it at
-    load time, before any graph capture. Each stream a call runs on is bound
-    once (its workspace allocated through torch). Calls allocate nothing but
-    the output and never synchronize: capturable with torch.cuda.graph.
+    that encodes CSF scales on the device, allocates the layer's workspace
+    (through torch) and synchronizes, so build it at load time, before any
+    graph capture. Each stream a call runs on is bound once to that one
+    workspace (no allocation, also while a graph is captured, e.g. by
+    torch.compile's CUDA graphs): calls of one layer on different streams
+    must not overlap. Calls allocate nothing but the output and never
+    synchronize: capturable with torch.cuda.graph.
 
     compression "csf" keeps the block scales as CSF; with scales_expanded the
     call reads scratch that `expand_scales()` filled (share one scratch
@@ -205,7 +208,7 @@ class PreparedExperts:
         self.w13, self.w2 = w13, w2
         self.w13_global, self.w2_global = w13_global.to(torch.float32), w2_global.to(torch.float32)
         self._layer = None
-        self._workspaces = {}
+        self._workspace = None
         if dev.type == "cuda":
             if not getattr(_C, "has_moe_cuda", False):
                 raise Unsupported("PreparedExperts on CUDA: this csfmoe build has no CUDA MoE kernels")
@@ -232,6 +235,10 @@ class PreparedExperts:
                 stage_read_max_tokens, scale_layout, w13, ops._u8(w13_scale), None if mx else self.w13_global, w2,
                 ops._u8(w2_scale), None if mx else self.w2_global, s13, s2, scales_expanded, force_mode,
                 ops._stream(dev), activation, self.alpha, self.limit, w13_bias, w2_bias)
+            # Allocated here, outside any capture: a workspace allocated while
+            # a graph is recorded would belong to the graph's memory pool.
+            self._workspace = torch.empty(max(int(self._layer.workspace_bytes(max_tokens)), 1), dtype=torch.uint8,
+                                          device=dev)
             if compression == "csf":
                 # The layer holds its own CSF copies: the native scales may go.
                 self._keep = None
@@ -273,10 +280,7 @@ class PreparedExperts:
 
     def _bind(self, stream: int) -> None:
         if not self._layer.is_bound(stream):
-            ws = torch.empty(max(int(self._layer.workspace_bytes(self.max_tokens)), 1), dtype=torch.uint8,
-                             device=self.device)
-            self._workspaces[stream] = ws
-            self._layer.bind_stream(stream, ws)
+            self._layer.bind_stream(stream, self._workspace)
 
     def mode_for(self, tokens: int) -> str:
         """Scale mode a call of `tokens` tokens uses on the current stream."""

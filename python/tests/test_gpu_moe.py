@@ -60,8 +60,11 @@ def test_gpt_oss_with_biases_matches_torch_in_every_mode(gen, fmt, order):
         err = (base.cpu().double() - want).norm() / want.norm()
         assert err < TOL, (t, err)
         for mode in ("stage_read", "routed"):
-            p = csfmoe.PreparedExperts(*args, compression="csf", force_mode=mode, **kw)
-            assert torch.equal(p(hidden, ids, wts), base), (t, mode)
+            got = csfmoe.PreparedExperts(*args, compression="csf", force_mode=mode, **kw)(hidden, ids, wts)
+            if t < 64 or mode == "routed":  # the same kernel as native's: the same bits
+                assert torch.equal(got, base), (t, mode)
+            else:  # stage-read stays on the decode kernel
+                assert (got.cpu().double() - want).norm() / want.norm() < TOL, (t, mode)
     with pytest.raises(csfmoe.InvalidArgument, match="w13_bias: expected a tensor on cuda"):
         csfmoe.PreparedExperts(*args, activation="gpt_oss", w13_bias=b13)
 

@@ -115,14 +115,22 @@ def test_csf_layers_share_one_scale_scratch(seed, share):
 
 
 def test_patched_model_under_torch_compile_and_static_cache(seed):
-    model, _ = patched_and_reference("qwen3_moe", seed)
+    model, reference = patched_and_reference("qwen3_moe", seed)
     prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(seed)).cuda()
     compiled = torch.compile(model)
     kw = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, output_scores=True,
               return_dict_in_generate=True)
     with torch.no_grad():
         eager = model(prompt, use_cache=False).logits
-        assert rel(compiled(prompt, use_cache=False).logits, eager) < 1e-2
+        got = rel(compiled(prompt, use_cache=False).logits, eager)
+        # Inductor fuses the bf16 attention and norms differently from eager:
+        # the unpatched model moves by as much under torch.compile, so the
+        # bound is the stock model's own difference (the expert op is opaque
+        # to the compiler and adds none of its own).
+        ref_eager = reference(prompt, use_cache=False).logits
+        stock = rel(torch.compile(reference)(prompt, use_cache=False).logits, ref_eager)
+        print(f"torch.compile vs eager: patched {got:.3g}, stock {stock:.3g}")
+        assert got < max(2 * stock, 5e-3), (got, stock)
         dynamic = model.generate(prompt, **kw)
         static = model.generate(prompt, cache_implementation="static", **kw)
     ok, why = greedy_agrees(static, dynamic, PROMPT)
