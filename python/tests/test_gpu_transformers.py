@@ -47,6 +47,37 @@ def greedy_agrees(out, ref, prompt_len):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("fmt,scales", [("nvfp4", "csf"), ("mxfp4", "native")])
+def test_patched_experts_match_float64_on_the_models_hidden_states(seed, family, fmt, scales):
+    """Each patched block's kernel output on the hidden states the model
+    gives it, against the float64 reference on the same inputs and routing,
+    and no further from it than transformers' own BF16 expert module."""
+    model, reference = patched_and_reference(family, seed, format=fmt, scales=scales)
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, a, kw, out: seen.append((mod, (list(a) + list(kw.values()))[:3], out)),
+                                     with_kwargs=True)
+             for m in model.modules() if isinstance(m, integ.CsfExperts)]
+    prompt = torch.randint(0, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(seed)).cuda()
+    with torch.no_grad():
+        model(prompt)
+        for h in hooks:
+            h.remove()
+        assert len(seen) == 2
+        stock = {id(m): r for m, r in zip((m for m in model.modules() if isinstance(m, integ.CsfExperts)),
+                                          (getattr(blk, "experts") for blk in reference.modules()
+                                           if type(blk).__name__ in integ.SUPPORTED_BLOCKS))}
+        for mod, (x, ids, wts), out in seen:
+            want = mod._reference(x, ids, wts)
+            bf16 = stock[id(mod)](x, ids, wts)
+            err, stock_err = rel(out, want), rel(bf16, want)
+            assert err < 1e-2 and err < max(stock_err, 5e-3), (mod.name, err, stock_err)
+
+
+# gpt-oss's tiny model (gate/up gain 3, four experts) flips the top-2 choice
+# of some tokens between two BF16 runs of one model: its model-level check
+# is the per-block one above; greedy generation at a real geometry is in
+# scripts/gpu-transformers.
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
 @pytest.mark.parametrize("fmt,scales,ahead", [("nvfp4", "csf", False), ("mxfp4", "native", False),
                                               ("nvfp4", "csf", True)])
 def test_patched_model_on_gpu_matches_dequantized_reference(seed, family, fmt, scales, ahead):

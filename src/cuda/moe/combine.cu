@@ -5,6 +5,7 @@
 // result identical run to run (no atomics).
 #include <cuda_bf16.h>
 
+#include "cuda/moe/dispatch.hpp"
 #include "cuda/moe/launchers.hpp"
 #include "cuda/primitives/launch.cuh"
 
@@ -27,7 +28,9 @@ __device__ __forceinline__ float4 slot_values(const CombineParams& p, std::uint6
   }
 }
 
-template <typename Id, bool Bf16>
+// Bias: the layer has down biases (gpt_oss), a template argument so layers
+// without them run the loop they ran before.
+template <typename Id, bool Bf16, bool Bias>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams p) {
   // Not allow_dependent_launch(): the caller's next kernel, and the next
   // call's routing, start only when the combine has finished.
@@ -43,7 +46,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
     if (id < 0 || id >= p.experts) continue;  // counted by the routing kernel
     const float w = wt[j];
     float4 y = slot_values<Bf16>(p, (std::uint64_t{t} * p.topk + j) * p.hidden + h);
-    if (p.bias != nullptr) {
+    if constexpr (Bias) {
       const float4 b = __ldg(reinterpret_cast<const float4*>(p.bias + std::uint64_t(id) * p.hidden + h));
       y.x += b.x, y.y += b.y, y.z += b.z, y.w += b.w;
     }
@@ -64,12 +67,14 @@ using CombineFn = void (*)(const CombineParams&, cudaStream_t);
 template <typename Id>
 void combine(const CombineParams& p, cudaStream_t stream) {
   const dim3 grid(p.tokens, (p.hidden / 4 + kCombineThreads - 1) / kCombineThreads);
-  if (p.slot_out16 != nullptr)
-    launch_kernel("moe combine kernel", p.chained, &combine_kernel<Id, true>, grid, dim3(kCombineThreads), 0,
-                  stream, p);
-  else
-    launch_kernel("moe combine kernel", p.chained, &combine_kernel<Id, false>, grid, dim3(kCombineThreads), 0,
-                  stream, p);
+  const bool bf16 = p.slot_out16 != nullptr, bias = p.bias != nullptr;
+  for_each_value(ValueList<false, true>{}, [&]<bool Bf16>() {
+    for_each_value(ValueList<false, true>{}, [&]<bool Bias>() {
+      if (Bf16 == bf16 && Bias == bias)
+        launch_kernel("moe combine kernel", p.chained, &combine_kernel<Id, Bf16, Bias>, grid,
+                      dim3(kCombineThreads), 0, stream, p);
+    });
+  });
 }
 constexpr CombineFn kCombine[2] = {&combine<std::int32_t>, &combine<std::int64_t>};
 

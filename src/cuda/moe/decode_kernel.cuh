@@ -149,8 +149,9 @@ __device__ __forceinline__ bool scale_pairs_folded(const std::uint32_t (&u)[kWor
 
 // At least two resident blocks per SM: the register budget the ring and the
 // activation prefetch are sized for (docs/decode-kernel.md, "Occupancy").
-template <ScaleFormat F, ScaleKind K, bool GateUp, int NT, int Copy>
+template <ScaleFormat F, ScaleKind K, Projection P, int NT, int Copy>
 __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(GemmParams p) {
+  constexpr bool GateUp = is_gate_up(P);
   static_assert(Copy == 1 || Copy == 2, "K blocks per ring copy: decode_copy_kblocks");
   using namespace decode;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -519,7 +520,7 @@ __global__ void __launch_bounds__(kDecodeMaxWarps * 32, 2) moe_decode_kernel(Gem
         };
         if constexpr (GateUp) {
           const float gate = sum(o), up = sum(o + kOutPerBlock);
-          const float y = gate_up_value(p, e, n0 + o, gate, up);
+          const float y = gate_up_value<P>(p, e, n0 + o, gate, up);
           const __nv_bfloat16 h = __float2bfloat16_rn(y);
           p.act[std::uint64_t(row0 + tok0 + m) * p.n + n0 + o] = *reinterpret_cast<const std::uint16_t*>(&h);
         } else {

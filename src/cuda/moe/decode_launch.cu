@@ -23,14 +23,14 @@ static_assert(sizeof(BlockExceptions::row_range) / sizeof(BlockExceptions::row_r
 
 namespace {
 
-template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
+template <ScaleFormat F, ScaleKind K, Projection P, int NT>
 void decode_launch(const GemmParams& p, cudaStream_t stream) {
-  const std::uint32_t per_block = GateUp ? kDecodeHalfRows : kDecodeRows;
-  const std::uint32_t row_blocks = (GateUp ? p.n : p.out_rows) / per_block;
+  const std::uint32_t per_block = is_gate_up(P) ? kDecodeHalfRows : kDecodeRows;
+  const std::uint32_t row_blocks = (is_gate_up(P) ? p.n : p.out_rows) / per_block;
   GemmParams q = p;
   q.row_block_run = p.decode.row_block_run;
   dispatch_ring_copy(p.decode.copy_kblocks, [&]<int Copy>() {
-    launch_kernel("moe decode GEMM", p.chained, &moe_decode_kernel<F, K, GateUp, NT, Copy>,
+    launch_kernel("moe decode GEMM", p.chained, &moe_decode_kernel<F, K, P, NT, Copy>,
                   dim3(p.max_tiles, (row_blocks + q.row_block_run - 1) / q.row_block_run),
                   dim3(p.decode.warps * 32), p.decode.smem_bytes, stream, q);
   });
@@ -46,10 +46,10 @@ void configure_decode_kernels(std::uint32_t smem_bytes) {
   };
   for_each_value(ScaleFormats{}, [&]<ScaleFormat F>() {
     for_each_value(ScaleKinds{}, [&]<ScaleKind K>() {
-      for_each_value(Projections{}, [&]<bool GateUp>() {
+      for_each_value(Projections{}, [&]<Projection P>() {
         for_each_value(DecodeTokenPasses{}, [&]<int NT>() {
           for_each_value(DecodeRingCopies{},
-                         [&]<int Copy>() { configure(&moe_decode_kernel<F, K, GateUp, NT, Copy>); });
+                         [&]<int Copy>() { configure(&moe_decode_kernel<F, K, P, NT, Copy>); });
         });
       });
     });
@@ -59,8 +59,8 @@ void configure_decode_kernels(std::uint32_t smem_bytes) {
 void launch_decode(ScaleFormat f, bool gate_up, GemmPath path, const GemmParams& p, cudaStream_t stream) {
   dispatch_format(f, [&]<ScaleFormat F>() {
     dispatch_scale_kind(p.scales.kind, [&]<ScaleKind K>() {
-      dispatch_gate_up(gate_up, [&]<bool GateUp>() {
-        dispatch_token_pass(path, [&]<int NT>() { decode_launch<F, K, GateUp, NT>(p, stream); });
+      dispatch_projection(gate_up, p.activation, [&]<Projection P>() {
+        dispatch_token_pass(path, [&]<int NT>() { decode_launch<F, K, P, NT>(p, stream); });
       });
     });
   });

@@ -1,5 +1,5 @@
 // Runtime value -> template argument, one helper per axis of the MoE GEMM
-// kernels (scale format, scale kind, projection, decode token pass, decode
+// kernels (scale format, scale kind, projection and activation, decode token pass, decode
 // ring copy, grouped token tile), each driven by one list. The launchers (tiled_launch.cu,
 // decode_launch.cu, prefill_launch.cu) dispatch and configure their
 // instantiations through these, so adding a value to a list instantiates and
@@ -53,7 +53,8 @@ using ScaleFormats = ValueList<ScaleFormat::nvfp4, ScaleFormat::mxfp4>;
 using ScaleKinds = ValueList<ScaleKind::dense_row_major, ScaleKind::dense_swizzled, ScaleKind::csf>;
 // The prefill kernel reads dense scales only.
 using DenseScaleKinds = ValueList<ScaleKind::dense_row_major, ScaleKind::dense_swizzled>;
-using Projections = ValueList<false, true>;  // gate_up
+// Down, and gate/up with each activation's epilogue (Projection).
+using Projections = ValueList<Projection::down, Projection::gate_up_silu, Projection::gate_up_gpt_oss>;
 // NT: passes of 8 * NT tokens (kDecodeTokenPasses, which also bounds the
 // decode kernel's shared memory: decode_smem_bytes).
 using DecodeTokenPasses =
@@ -81,9 +82,11 @@ void dispatch_dense_scale_kind(ScaleKind k, Fn&& fn) {
   if (!dispatch_value(DenseScaleKinds{}, k, fn)) dispatch_detail::no_instance("dense scale kind", int(k));
 }
 
+// The projection of a launch: down, or gate/up with the layer's activation.
 template <class Fn>
-void dispatch_gate_up(bool gate_up, Fn&& fn) {
-  (void)dispatch_value(Projections{}, gate_up, fn);
+void dispatch_projection(bool gate_up, MoeActivation activation, Fn&& fn) {
+  const Projection p = projection_of(gate_up, activation);
+  if (!dispatch_value(Projections{}, p, fn)) dispatch_detail::no_instance("projection", int(p));
 }
 
 // A decode path (GemmPath::decode_8, _16, _32) as its NT.

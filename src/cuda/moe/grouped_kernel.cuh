@@ -68,9 +68,10 @@ constexpr std::uint32_t kGroupedNoRow = 0xFFFFFFFFu;
 
 using decode_bits::prefill_permuted_column;
 
-template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
+template <ScaleFormat F, ScaleKind K, Projection P, int NT>
 __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
     moe_grouped_kernel(const __grid_constant__ CUtensorMap wmap, GemmParams p) {
+  constexpr bool GateUp = is_gate_up(P);
   static_assert(K != ScaleKind::csf, "stage-read CSF calls run on the decode kernel");
   static_assert(NT % 8 == 0 && NT >= 16 && NT <= 128, "token tile classes: grouped_shape.hpp");
   using namespace decode;
@@ -326,7 +327,7 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
           const float g0 = acc[mt][4 * j] * gs, g1 = acc[mt][4 * j + 1] * gs;      // row g, tokens 0 / 1
           const float h0 = acc[mt][4 * j + 2] * gs, h1 = acc[mt][4 * j + 3] * gs;  // row g + 8
           if constexpr (GateUp) {
-            const float y0 = gate_up_value(p, e, o, g0, h0), y1 = gate_up_value(p, e, o, g1, h1);
+            const float y0 = gate_up_value<P>(p, e, o, g0, h0), y1 = gate_up_value<P>(p, e, o, g1, h1);
             const float theirs = __shfl_xor_sync(kAll, b ? y0 : y1, 4 * kPairBit);
             const float mine = b ? y1 : y0;
             const __nv_bfloat162 pair =

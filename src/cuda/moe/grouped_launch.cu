@@ -50,9 +50,9 @@ CUtensorMap weight_map(const GemmParams& p, std::uint32_t experts) {
   return map;
 }
 
-template <ScaleFormat F, ScaleKind K, bool GateUp, int NT>
+template <ScaleFormat F, ScaleKind K, Projection P, int NT>
 void grouped_launch(const CUtensorMap& map, const GemmParams& p, cudaStream_t stream) {
-  launch_kernel("moe grouped GEMM", p.chained, &moe_grouped_kernel<F, K, GateUp, NT>, dim3(p.sm_count),
+  launch_kernel("moe grouped GEMM", p.chained, &moe_grouped_kernel<F, K, P, NT>, dim3(p.sm_count),
                 dim3(grouped_consumers(NT).threads), grouped_smem(NT).total, stream, map, p);
 }
 
@@ -72,18 +72,18 @@ bool configure_grouped_kernels(int device) {
   if (!fits) return false;
   for_each_value(ScaleFormats{}, [&]<ScaleFormat F>() {
     for_each_value(DenseScaleKinds{}, [&]<ScaleKind K>() {
-      for_each_value(Projections{}, [&]<bool GateUp>() {
+      for_each_value(Projections{}, [&]<Projection P>() {
         for_each_value(GroupedTokenTiles{}, [&]<int NT>() {
           // setmaxnreg.inc waits until the registers are free in the pool the
           // CTA got at launch: a split beyond it would hang, so such a build
           // leaves the grouped kernels unused.
           cudaFuncAttributes attr{};
-          CSFMOE_CUDA_CHECK_WHAT(cudaFuncGetAttributes(&attr, &moe_grouped_kernel<F, K, GateUp, NT>),
+          CSFMOE_CUDA_CHECK_WHAT(cudaFuncGetAttributes(&attr, &moe_grouped_kernel<F, K, P, NT>),
                                  "read the grouped MoE kernels' attributes");
           constexpr GroupedConsumers c = grouped_consumers(NT);
           fits = fits && 128 * c.producer_regs + 128 * c.groups * c.consumer_regs <= c.threads * attr.numRegs;
           CSFMOE_CUDA_CHECK_WHAT(
-              cudaFuncSetAttribute(&moe_grouped_kernel<F, K, GateUp, NT>,
+              cudaFuncSetAttribute(&moe_grouped_kernel<F, K, P, NT>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(grouped_smem(NT).total)),
               "configure the grouped MoE kernels (" + std::to_string(grouped_smem(NT).total) +
                   " bytes of shared memory)");
@@ -101,8 +101,8 @@ void launch_grouped(ScaleFormat f, bool gate_up, std::uint32_t token_tile, std::
   const CUtensorMap map = weight_map(p, experts);
   dispatch_format(f, [&]<ScaleFormat F>() {
     dispatch_dense_scale_kind(p.scales.kind, [&]<ScaleKind K>() {
-      dispatch_gate_up(gate_up, [&]<bool GateUp>() {
-        dispatch_token_tile(token_tile, [&]<int NT>() { grouped_launch<F, K, GateUp, NT>(map, p, stream); });
+      dispatch_projection(gate_up, p.activation, [&]<Projection P>() {
+        dispatch_token_tile(token_tile, [&]<int NT>() { grouped_launch<F, K, P, NT>(map, p, stream); });
       });
     });
   });

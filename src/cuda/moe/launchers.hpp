@@ -75,12 +75,6 @@ struct GemmParams {
   std::uint32_t n = 0;
   std::uint32_t gate_row0 = 0, up_row0 = 0;
   std::uint16_t* act = nullptr;
-  // gate/up: the layer's activation (epilogue.cuh, gate_up_value); gpt_oss
-  // first adds bias [E, out_rows] (FP32, w13 row order; null: none) to the
-  // gate and up rows.
-  MoeActivation activation = MoeActivation::silu;
-  float act_alpha = 0.0f, act_limit = 0.0f;
-  const float* bias = nullptr;
   // down: per-slot outputs [T * k, H] f32, or bf16 where slot_out16 is set
   // (grouped kernel).
   float* slot_out = nullptr;
@@ -93,7 +87,25 @@ struct GemmParams {
   MoeDecodeShape decode;
   // Grouped kernel: tiles per raster group of its work list (grouped_item).
   std::uint32_t tile_group = 1;
+  // gate/up: the layer's activation, which picks the kernel's Projection
+  // (dispatch_projection); gpt_oss first adds bias [E, out_rows] (FP32, w13
+  // row order; null: none) to the gate and up rows (epilogue.cuh). Last in
+  // the struct, so the fields above keep their offsets.
+  MoeActivation activation = MoeActivation::silu;
+  float act_alpha = 0.0f, act_limit = 0.0f;
+  const float* bias = nullptr;
 };
+
+// What a GEMM kernel instantiation computes: the down projection, or gate/up
+// with the epilogue of one activation (gate_up_value). A template axis, so
+// each activation's epilogue is compiled on its own and SiLU layers run the
+// code they ran before gpt-oss's was added.
+enum class Projection : std::uint8_t { down = 0, gate_up_silu = 1, gate_up_gpt_oss = 2 };
+constexpr bool is_gate_up(Projection p) { return p != Projection::down; }
+constexpr Projection projection_of(bool gate_up, MoeActivation activation) {
+  if (!gate_up) return Projection::down;
+  return activation == MoeActivation::gpt_oss ? Projection::gate_up_gpt_oss : Projection::gate_up_silu;
+}
 
 // Which GEMM kernel runs a call: the tiled kernel (tiled_kernel.cuh), the
 // weight-streaming decode kernel (decode_kernel.cuh) with token passes of 8, 16
@@ -139,11 +151,11 @@ struct CombineParams {
   const void* ids = nullptr;
   const float* weights = nullptr;
   std::uint16_t* out = nullptr;  // bf16 [T, H]
+  std::uint32_t tokens = 0, topk = 0, hidden = 0, experts = 0;
+  bool chained = false;  // programmatic dependent launch (launch.cuh)
   // Down-projection bias [E, H] (FP32, gpt_oss layers; null: none): slot j
   // of token t adds bias[id] to its output before the weighting.
   const float* bias = nullptr;
-  std::uint32_t tokens = 0, topk = 0, hidden = 0, experts = 0;
-  bool chained = false;  // programmatic dependent launch (launch.cuh)
 };
 void launch_combine(IndexType id_type, const CombineParams& p, cudaStream_t stream);
 

@@ -63,8 +63,9 @@ constexpr std::uint32_t kPrefillSmem = kPrefillStages * kPrefillStageBytes + 2 *
 using decode_bits::prefill_k_source;
 using decode_bits::prefill_permuted_column;
 
-template <ScaleFormat F, ScaleKind K, bool GateUp>
+template <ScaleFormat F, ScaleKind K, Projection P>
 __global__ void __launch_bounds__(kPrefillThreads, 1) moe_prefill_kernel(GemmParams p) {
+  constexpr bool GateUp = is_gate_up(P);
   static_assert(K != ScaleKind::csf, "stage-read CSF calls run on the decode kernel");
   using namespace decode;
   using namespace ptx;
@@ -212,7 +213,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 1) moe_prefill_kernel(GemmPar
         if (m >= valid) continue;
         const float r0 = acc[mt][4 * j + v] * gs, r1 = acc[mt][4 * j + 2 + v] * gs;
         if constexpr (GateUp) {
-          const float y = gate_up_value(p, e, o, r0, r1);
+          const float y = gate_up_value<P>(p, e, o, r0, r1);
           const __nv_bfloat16 hy = __float2bfloat16_rn(y);
           // Permuted for the down projection's K (prefill_k_source).
           p.act[std::uint64_t(row0 + m) * p.n + prefill_permuted_column(o)] =

@@ -15,12 +15,12 @@ static_assert(kPrefillHiddenStep == kPrefillRows && kPrefillIntermediateStep == 
 
 namespace {
 
-template <ScaleFormat F, ScaleKind K, bool GateUp>
+template <ScaleFormat F, ScaleKind K, Projection P>
 void prefill_launch(const GemmParams& p, cudaStream_t stream) {
-  constexpr std::uint32_t per_block = GateUp ? kPrefillRows / 2 : kPrefillRows;
-  const std::uint32_t row_blocks = (GateUp ? p.n : p.out_rows) / per_block;
-  launch_kernel("moe prefill GEMM", p.chained, &moe_prefill_kernel<F, K, GateUp>,
-                dim3(p.max_tiles, row_blocks), dim3(kPrefillThreads), kPrefillSmem, stream, p);
+  constexpr std::uint32_t per_block = is_gate_up(P) ? kPrefillRows / 2 : kPrefillRows;
+  const std::uint32_t row_blocks = (is_gate_up(P) ? p.n : p.out_rows) / per_block;
+  launch_kernel("moe prefill GEMM", p.chained, &moe_prefill_kernel<F, K, P>, dim3(p.max_tiles, row_blocks),
+                dim3(kPrefillThreads), kPrefillSmem, stream, p);
 }
 
 }  // namespace
@@ -35,10 +35,10 @@ bool configure_prefill_kernels(int device) {
   if (prop.major != 9 || prop.minor != 0 || prop.sharedMemPerBlockOptin < kPrefillSmem) return false;
   for_each_value(ScaleFormats{}, [&]<ScaleFormat F>() {
     for_each_value(DenseScaleKinds{}, [&]<ScaleKind K>() {
-      for_each_value(Projections{}, [&]<bool GateUp>() {
+      for_each_value(Projections{}, [&]<Projection P>() {
         CSFMOE_CUDA_CHECK_WHAT(
-            cudaFuncSetAttribute(&moe_prefill_kernel<F, K, GateUp>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, int(kPrefillSmem)),
+            cudaFuncSetAttribute(&moe_prefill_kernel<F, K, P>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 int(kPrefillSmem)),
             "configure the prefill MoE kernels (" + std::to_string(kPrefillSmem) +
                 " bytes of shared memory)");
       });
@@ -62,7 +62,7 @@ void launch_prefill(ScaleFormat f, bool gate_up, const GemmParams& p, cudaStream
     throw Unsupported("prefill MoE kernel: stage-read CSF scales run on the decode kernel");
   dispatch_format(f, [&]<ScaleFormat F>() {
     dispatch_dense_scale_kind(p.scales.kind, [&]<ScaleKind K>() {
-      dispatch_gate_up(gate_up, [&]<bool GateUp>() { prefill_launch<F, K, GateUp>(p, stream); });
+      dispatch_projection(gate_up, p.activation, [&]<Projection P>() { prefill_launch<F, K, P>(p, stream); });
     });
   });
 }

@@ -46,8 +46,9 @@ struct SharedEpi {
   float c[GateUp ? 2 : 1][kTileM][kLdc];
 };
 
-template <ScaleFormat F, ScaleKind K, bool GateUp>
+template <ScaleFormat F, ScaleKind K, Projection P>
 __global__ void __launch_bounds__(kGemmThreads) moe_gemm_kernel(GemmParams p) {
+  constexpr bool GateUp = is_gate_up(P);
   using namespace nvcuda;
   using Main = SharedMain<F, K, GateUp>;
   constexpr int kRows = Main::kRows;
@@ -198,7 +199,7 @@ __global__ void __launch_bounds__(kGemmThreads) moe_gemm_kernel(GemmParams p) {
       for (int u = 0; u < 2; ++u) {
         const float g = se.c[0][m][n + u] * gs;
         const float up = se.c[1][m][n + u] * gs;
-        out[u] = gate_up_value(p, e, n0 + n + u, g, up);
+        out[u] = gate_up_value<P>(p, e, n0 + n + u, g, up);
       }
       *reinterpret_cast<__nv_bfloat162*>(p.act + std::uint64_t(row0 + m) * p.n + n0 + n) =
           __floats2bfloat162_rn(out[0], out[1]);

@@ -8,17 +8,17 @@ namespace csfmoe::moe_detail {
 
 namespace {
 
-template <ScaleFormat F, ScaleKind K, bool GateUp>
+template <ScaleFormat F, ScaleKind K, Projection P>
 void gemm(const GemmParams& p, cudaStream_t stream) {
-  const std::uint32_t n_tiles = (GateUp ? p.n : p.out_rows) / kTileN;
-  launch_kernel("moe tiled GEMM", p.chained, &moe_gemm_kernel<F, K, GateUp>, dim3(p.max_tiles, n_tiles),
+  const std::uint32_t n_tiles = (is_gate_up(P) ? p.n : p.out_rows) / kTileN;
+  launch_kernel("moe tiled GEMM", p.chained, &moe_gemm_kernel<F, K, P>, dim3(p.max_tiles, n_tiles),
                 dim3(kGemmThreads), 0, stream, p);
 }
 
 void launch_tiled(ScaleFormat f, bool gate_up, const GemmParams& p, cudaStream_t stream) {
   dispatch_format(f, [&]<ScaleFormat F>() {
     dispatch_scale_kind(p.scales.kind, [&]<ScaleKind K>() {
-      dispatch_gate_up(gate_up, [&]<bool GateUp>() { gemm<F, K, GateUp>(p, stream); });
+      dispatch_projection(gate_up, p.activation, [&]<Projection P>() { gemm<F, K, P>(p, stream); });
     });
   });
 }
