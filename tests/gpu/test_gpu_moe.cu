@@ -443,6 +443,22 @@ TEST_F(GpuMoe, GptOssActivationWithBiasesEveryKernelAndMode) {
             std::string(to_string(f)) + " " + std::string(to_string(order)) + " T=" + std::to_string(T));
     }
   }
+  // Biases are optional: gate/up ones only, and none (the epilogue's and the
+  // combine's bias-free branches), with non-default alpha and limit.
+  for (const bool gate_up_bias : {true, false}) {
+    MoeLayerGeometry g{16, 256, 128, 4, GateUpOrder::w13};
+    g.activation = MoeActivationSpec::gpt_oss(1.1, 4.5);
+    Layer l(ScaleFormat::nvfp4, g, seed + 11, 512, ScaleLayout::row_major, [&](MoeHostWeights& w) {
+      add_biases(w);
+      w.w2_bias.clear();
+      if (!gate_up_bias) w.w13_bias.clear();
+    });
+    Call call(l.plan_csf, 512);
+    for (std::uint32_t T : {9u, 257u})
+      check_all_modes(
+          l, random_inputs(rng, T, g), call,
+          std::string(gate_up_bias ? "gate/up biases only" : "no biases") + " T=" + std::to_string(T));
+  }
 }
 
 TEST_F(GpuMoe, SwizzledNativeScalesW31AndInt32Ids) {
