@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "csfmoe/detail/activation.hpp"
 #include "csfmoe/errors.hpp"
 #include "csfmoe/formats.hpp"
 
@@ -74,8 +75,18 @@ nb::object to_torch(std::vector<T>&& v) {
       nb::ndarray<nb::pytorch, Out, nb::ndim<1>>(reinterpret_cast<Out*>(heap->data()), 1, shape, owner));
 }
 
+// Throws InvalidArgument naming `what` unless `a` holds floating-point
+// values (`type`, e.g. "float32", names them in the error).
+inline void require_float(const Array& a, const char* what, const char* type) {
+  if (a.dtype().code != static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float))
+    throw InvalidArgument(fmt::format("{}: expected {}", what, type));
+}
+
 ScaleFormat format_arg(const std::string& s);
 ScaleLayout layout_arg(const std::string& s);
+// A layer's activation from its binding arguments (validated where it is
+// used: plan_weights, the reference, or the caller).
+MoeActivationSpec activation_arg(const std::string& activation, double alpha, double limit);
 
 void bind_codec(nb::module_& m);
 void bind_checkpoint(nb::module_& m);

@@ -27,8 +27,7 @@ const std::uint8_t* dptr(const Array& a, const char* what, std::uint64_t bytes, 
 // An optional FP32 device tensor of `values` values (expert biases).
 const float* f32_dptr(const std::optional<Array>& a, const char* what, std::uint64_t values, int device) {
   if (!a) return nullptr;
-  if (a->dtype().code != static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float))
-    throw InvalidArgument(fmt::format("{}: expected float32", what));
+  require_float(*a, what, "float32");
   return reinterpret_cast<const float*>(dptr(*a, what, 4 * values, device, 4));
 }
 
@@ -54,9 +53,7 @@ struct CudaLayer {
     g.intermediate = static_cast<std::uint32_t>(n);
     g.topk = static_cast<std::uint32_t>(k);
     g.order = parse_gate_up_order(order);
-    g.activation.kind = parse_moe_activation(activation);
-    g.activation.alpha = alpha;
-    g.activation.limit = limit;
+    g.activation = activation_arg(activation, alpha, limit);
     if (e < 1 || h < 1 || n < 1 || k < 1 || e > 0xFFFFFFFF || h > 0xFFFFFFFF || n > 0xFFFFFFFF ||
         k > 0xFFFFFFFF)
       throw InvalidArgument("experts, hidden, intermediate and topk must be positive 32-bit values");

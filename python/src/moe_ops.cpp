@@ -15,6 +15,15 @@
 #include "csfmoe/quantize.hpp"
 
 namespace csfmoe::py {
+
+MoeActivationSpec activation_arg(const std::string& activation, double alpha, double limit) {
+  MoeActivationSpec spec;
+  spec.kind = parse_moe_activation(activation);
+  spec.alpha = alpha;
+  spec.limit = limit;
+  return spec;
+}
+
 namespace {
 
 MoeLayerGeometry layer_arg(std::int64_t e, std::int64_t h, std::int64_t n, std::int64_t k,
@@ -52,19 +61,8 @@ std::vector<T> vec_of(const Array& a, const char* what, std::uint64_t want) {
 // An optional FP32 tensor of `want` values (expert biases).
 std::vector<float> f32_vec_of(const std::optional<Array>& a, const char* what, std::uint64_t want) {
   if (!a) return {};
-  if (a->dtype().code != static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float))
-    throw InvalidArgument(fmt::format("{}: expected float32", what));
+  require_float(*a, what, "float32");
   return vec_of<float>(*a, what, want);
-}
-
-// The activation of a layer from its binding arguments, validated.
-MoeActivationSpec activation_arg(const std::string& activation, double alpha, double limit) {
-  MoeActivationSpec spec;
-  spec.kind = parse_moe_activation(activation);
-  spec.alpha = alpha;
-  spec.limit = limit;
-  validate(spec);
-  return spec;
 }
 
 // Quantizes `experts` stacked float32 matrices [rows, cols] (one global scale
@@ -166,9 +164,7 @@ void bind_moe(nb::module_& m) {
         c.stage_read_max_tokens = static_cast<std::uint32_t>(stage_read_max_tokens);
         c.scale_layout = layout_arg(scale_layout);
         MoeLayerGeometry g = layer_arg(e, h, n, k, order);
-        g.activation.kind = parse_moe_activation(activation);
-        g.activation.alpha = alpha;
-        g.activation.limit = limit;
+        g.activation = activation_arg(activation, alpha, limit);
         const MoePlan p = plan_weights(format_arg(format), g, c);
         nb::dict d;
         d["w13_scales"] = shape_dict(p.w13_scales);
@@ -215,14 +211,14 @@ void bind_moe(nb::module_& m) {
       [](Array gate, Array up, Array out, const std::string& activation, double alpha, double limit) {
         const auto f64 = [](const Array& a, const char* what) {
           const auto n = check_array(a, what, Dev::cpu, 8);
-          if (a.dtype().code != static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float))
-            throw InvalidArgument(fmt::format("{}: expected float64", what));
+          require_float(a, what, "float64");
           return n;
         };
         const auto n = f64(gate, "gate");
         if (f64(up, "up") != n || f64(out, "out") != n)
           throw InvalidArgument("moe_activation: gate, up and out must hold the same number of values");
         const MoeActivationSpec spec = activation_arg(activation, alpha, limit);
+        validate(spec);
         const auto* g = static_cast<const double*>(gate.data());
         const auto* u = static_cast<const double*>(up.data());
         auto* o = static_cast<double*>(out.data());
@@ -243,6 +239,7 @@ void bind_moe(nb::module_& m) {
         w.format = format_arg(format);
         w.geometry = layer_arg(e, h, n, k, order);
         w.geometry.activation = activation_arg(activation, alpha, limit);
+        validate(w.geometry.activation);
         const std::uint64_t E = w.geometry.experts, H = w.geometry.hidden, N = w.geometry.intermediate;
         const std::uint64_t g = group_size(w.format);
         if (H % g || N % g)

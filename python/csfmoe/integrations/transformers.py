@@ -234,15 +234,23 @@ def _quantize_named(name: str, what: str, w: torch.Tensor, format: str) -> dict:
         raise type(err)(f"{where}: {err}") from None
 
 
+def _activation_kwargs(swiglu: str, clamp: Optional[Tuple[float, float]]) -> dict:
+    """The block's activation as plan_moe / PreparedExperts keywords (their
+    own alpha and limit defaults where the block gives none)."""
+    kw = {"activation": swiglu}
+    if clamp is not None:
+        kw["alpha"], kw["limit"] = clamp
+    return kw
+
+
 def _check_kernels(name: str, format: str, scales: str, w13_shape, topk: int, max_tokens: int, swiglu: str,
                    clamp: Optional[Tuple[float, float]]) -> None:
     e, two_n, h = (int(s) for s in w13_shape)
     n = two_n // 2
     where = f"{name} (E={e}, H={h}, N={n}, top-k={topk}, {format})"
     try:
-        alpha, limit = clamp if clamp is not None else (1.702, 7.0)
         _moe.plan_moe(format, e, h, n, topk, "w13", "csf" if scales == "csf" else "none", max_tokens,
-                      activation=swiglu, alpha=alpha, limit=limit)
+                      **_activation_kwargs(swiglu, clamp))
     except InvalidArgument as err:
         raise InvalidArgument(f"patch_model: {where}: the csfmoe kernels cannot run these experts: {err}") from None
 
@@ -292,13 +300,12 @@ class CsfExperts(nn.Module):
         # bf16, fp16 and fp32 biases of a model) in w13's row order.
         self.b13 = None if b13 is None else b13.to(device=device, dtype=torch.float32).contiguous()
         self.b2 = None if b2 is None else b2.to(device=device, dtype=torch.float32).contiguous()
-        alpha, limit = clamp if clamp is not None else (1.702, 7.0)
         self.layer = _moe.PreparedExperts(q13["packed"].to(device), q2["packed"].to(device),
                                           q13["scales"].to(device), q2["scales"].to(device),
                                           q13["global"].to(device), q2["global"].to(device), format, "w13", topk,
                                           compression, max_tokens=max_tokens, scales_expanded=scales_expanded,
-                                          scratch=scratch, activation=swiglu, alpha=alpha, limit=limit,
-                                          w13_bias=self.b13, w2_bias=self.b2)
+                                          scratch=scratch, w13_bias=self.b13, w2_bias=self.b2,
+                                          **_activation_kwargs(swiglu, clamp))
         # A CUDA layer with CSF scales drops its native scales; a host copy
         # (1/16 or 1/32 of the FP4 bytes) keeps dequantized() available.
         self._host_scales = (q13["scales"], q2["scales"]) if self.layer.w13_scale is None else None

@@ -67,12 +67,11 @@ using CombineFn = void (*)(const CombineParams&, cudaStream_t);
 template <typename Id>
 void combine(const CombineParams& p, cudaStream_t stream) {
   const dim3 grid(p.tokens, (p.hidden / 4 + kCombineThreads - 1) / kCombineThreads);
-  const bool bf16 = p.slot_out16 != nullptr, bias = p.bias != nullptr;
-  for_each_value(ValueList<false, true>{}, [&]<bool Bf16>() {
-    for_each_value(ValueList<false, true>{}, [&]<bool Bias>() {
-      if (Bf16 == bf16 && Bias == bias)
-        launch_kernel("moe combine kernel", p.chained, &combine_kernel<Id, Bf16, Bias>, grid,
-                      dim3(kCombineThreads), 0, stream, p);
+  using Flags = ValueList<false, true>;
+  (void)dispatch_value(Flags{}, p.slot_out16 != nullptr, [&]<bool Bf16>() {
+    (void)dispatch_value(Flags{}, p.bias != nullptr, [&]<bool Bias>() {
+      launch_kernel("moe combine kernel", p.chained, &combine_kernel<Id, Bf16, Bias>, grid,
+                    dim3(kCombineThreads), 0, stream, p);
     });
   });
 }
