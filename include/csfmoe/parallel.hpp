@@ -6,8 +6,12 @@
 //     of both the gate and the up half; w2 keeps the same columns of N. Each
 //     rank's output is a partial sum over N; the sum over ranks (an
 //     all-reduce) is the layer's output. Global scales are per expert and stay.
+//     Expert biases (gpt_oss): w13_bias keeps the same entries of both
+//     halves as the rows; w2_bias goes to rank 0 only (the other ranks' is
+//     empty, i.e. none), so the sum over ranks adds it once.
 //   expert parallel (EP): every rank holds whole experts, a contiguous block of
 //     expert ids; a token's slots are sent to the ranks owning their experts.
+//     Biases go with their experts.
 //
 // The byte-level tensor slicer under both (and under `csf compress --tp N
 // --rank R`) is tensor_slice.hpp, included here.

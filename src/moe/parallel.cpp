@@ -32,18 +32,21 @@ TpRange tensor_parallel_range(ScaleFormat format, const MoeLayerGeometry& g, uns
 
 namespace {
 
-// The slices do not carry expert biases (a TP rank would add the down bias
-// once per rank); refusing keeps a gpt-oss layer from losing them silently.
-void refuse_biases(const MoeHostWeights& w, const char* who) {
-  if (!w.w13_bias.empty() || !w.w2_bias.empty())
-    throw Unsupported(fmt::format("{}: layers with expert biases (gpt_oss activation) are not sliced", who));
+// slice_axis over FP32 elements (the expert biases).
+std::vector<float> slice_floats(const std::vector<float>& v, std::span<const std::uint64_t> shape,
+                                std::size_t axis, std::span<const AxisRange> ranges) {
+  const std::span<const std::uint8_t> bytes(reinterpret_cast<const std::uint8_t*>(v.data()),
+                                            v.size() * sizeof(float));
+  const std::vector<std::uint8_t> cut = slice_axis(bytes, shape, sizeof(float), axis, ranges);
+  std::vector<float> out(cut.size() / sizeof(float));
+  if (!cut.empty()) std::memcpy(out.data(), cut.data(), cut.size());
+  return out;
 }
 
 }  // namespace
 
 MoeHostWeights slice_tensor_parallel(const MoeHostWeights& w, unsigned tp, unsigned rank) {
   validate(w);
-  refuse_biases(w, "slice_tensor_parallel");
   const TpRange r = tensor_parallel_range(w.format, w.geometry, tp, rank);
   const unsigned G = group_size(w.format);
   const std::uint64_t E = w.geometry.experts, H = w.geometry.hidden, N = w.geometry.intermediate;
@@ -64,6 +67,13 @@ MoeHostWeights slice_tensor_parallel(const MoeHostWeights& w, unsigned tp, unsig
   s.w2_scales = slice_axis(w.w2_scales, w2s_shape, 1, 1, scol);
   s.w13_global = w.w13_global;
   s.w2_global = w.w2_global;
+  // The gate/up bias goes with its rows; the down bias is added once, by
+  // rank 0, so that the sum over ranks adds it once as the whole layer does.
+  if (!w.w13_bias.empty()) {
+    const std::array<std::uint64_t, 2> b13_shape{E, 2 * N};
+    s.w13_bias = slice_floats(w.w13_bias, b13_shape, 1, halves);
+  }
+  if (rank == 0) s.w2_bias = w.w2_bias;
   return s;
 }
 
@@ -97,7 +107,6 @@ unsigned expert_owner(std::uint32_t experts, unsigned ep, std::uint32_t expert) 
 
 MoeHostWeights slice_expert_parallel(const MoeHostWeights& w, unsigned ep, unsigned rank) {
   validate(w);
-  refuse_biases(w, "slice_expert_parallel");
   const ExpertPartition p = expert_parallel_partition(w.geometry.experts, ep, rank);
   const unsigned G = group_size(w.format);
   const std::uint64_t E = w.geometry.experts, H = w.geometry.hidden, N = w.geometry.intermediate;
@@ -116,6 +125,8 @@ MoeHostWeights slice_expert_parallel(const MoeHostWeights& w, unsigned ep, unsig
   s.w2 = take(w.w2, H * (N / 2));
   s.w2_scales = take(w.w2_scales, H * (N / G));
   s.w2_global = take(w.w2_global, 1);
+  if (!w.w13_bias.empty()) s.w13_bias = take(w.w13_bias, 2 * N);
+  if (!w.w2_bias.empty()) s.w2_bias = take(w.w2_bias, H);
   return s;
 }
 

@@ -31,8 +31,10 @@ std::vector<double> dequant(ScaleFormat f, const std::uint8_t* w, const std::uin
   return m;
 }
 
-// out[t] += w * W2 (silu(gate) * up) for the slots with keep(slot) true;
-// ids are local to `w`.
+// out[t] += w * (W2 act(gate + b13, up + b13) + b2) for the slots with
+// keep(slot) true, act SiLU(gate) * up or gpt-oss's clamped SwiGLU (written
+// out here, not taken from activation.hpp), biases where `w` has them; ids are
+// local to `w`.
 std::vector<double> oracle(const MoeHostWeights& w, const std::vector<std::uint16_t>& hidden, std::uint32_t T,
                            const std::vector<std::int32_t>& ids, const std::vector<float>& wts,
                            const std::vector<bool>& keep) {
@@ -58,10 +60,21 @@ std::vector<double> oracle(const MoeHostWeights& w, const std::vector<std::uint1
           gate += a[gr * H + h] * x;
           up += a[ur * H + h] * x;
         }
-        act[n] = gate / (1.0 + std::exp(-gate)) * up;
+        if (g.activation.kind == MoeActivation::gpt_oss) {
+          if (!w.w13_bias.empty()) {
+            gate += w.w13_bias[e * 2 * N + gr];
+            up += w.w13_bias[e * 2 * N + ur];
+          }
+          const double lim = g.activation.limit, alpha = g.activation.alpha;
+          gate = std::min(gate, lim);
+          up = std::max(std::min(up, lim), -lim);
+          act[n] = (up + 1.0) * gate / (1.0 + std::exp(-alpha * gate));
+        } else {
+          act[n] = gate / (1.0 + std::exp(-gate)) * up;
+        }
       }
       for (std::uint64_t h = 0; h < H; ++h) {
-        double y = 0;
+        double y = w.w2_bias.empty() ? 0.0 : w.w2_bias[e * H + h];
         for (std::uint64_t n = 0; n < N; ++n) y += b[h * N + n] * act[n];
         out[t * H + h] += double(wts[t * k + j]) * y;
       }
@@ -105,6 +118,23 @@ Inputs make_inputs(const MoeLayerGeometry& g, std::uint32_t T, std::mt19937_64& 
 }
 
 std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+// A gpt_oss layer with random expert biases: a quarter of them large enough
+// that the clamp at the limit is reached.
+MoeHostWeights gpt_oss_layer(ScaleFormat f, MoeLayerGeometry g, std::uint64_t seed, std::mt19937_64& rng) {
+  g.activation = MoeActivationSpec::gpt_oss();
+  MoeHostWeights w = synthetic_moe_weights(f, g, seed);
+  std::normal_distribution<float> small(0.f, 1.f);
+  std::uniform_real_distribution<float> big(5.f, 12.f);
+  auto draw = [&](std::size_t n) {
+    std::vector<float> v(n);
+    for (std::size_t i = 0; i < n; ++i) v[i] = i % 4 == 1 ? (i % 8 == 1 ? big(rng) : -big(rng)) : small(rng);
+    return v;
+  };
+  w.w13_bias = draw(std::size_t{g.experts} * 2 * g.intermediate);
+  w.w2_bias = draw(std::size_t{g.experts} * g.hidden);
+  return w;
+}
 
 struct Case {
   ScaleFormat format;
@@ -230,6 +260,84 @@ TEST_P(Parallel, TensorParallelSlicesReassembleTheOriginalBytes) {
     EXPECT_EQ(w2s, w.w2_scales);
     EXPECT_EQ(g13, w.w13_global);
   }
+}
+
+// gpt-oss's activation with expert biases: the TP ranks' reference outputs
+// sum to the whole layer's (the down bias counted once: rank 0 holds it), the
+// EP ranks' cover it, and the bias slices reassemble the original.
+TEST_P(Parallel, BiasedGptOssRanksSumToTheWholeLayer) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g{4, 64, 512, 2, GetParam().order};
+  const MoeHostWeights w = gpt_oss_layer(GetParam().format, g, seed, rng);
+  const std::uint64_t E = g.experts, H = g.hidden, N = g.intermediate;
+  const Inputs in = make_inputs(g, 6, rng);
+  const std::vector<bool> all(in.ids.size(), true);
+  const auto whole = oracle(w, in.hidden, in.T, in.ids, in.wts, all);
+  std::vector<float> whole_ref(in.T * g.hidden);
+  moe_reference(w, in.hidden, in.T, in.ids, in.wts, whole_ref, 1);
+  ASSERT_LT(rel(to_double(whole_ref), whole), 1e-6);
+  {  // the biases matter: without them the output moves far beyond the tolerance
+    MoeHostWeights nb = w;
+    nb.w13_bias.clear();
+    nb.w2_bias.clear();
+    ASSERT_GT(rel(oracle(nb, in.hidden, in.T, in.ids, in.wts, all), whole), 1e-2);
+  }
+  for (unsigned tp : {1u, 2u, 4u, 8u}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    const std::uint64_t n = N / tp;
+    std::vector<double> sum(whole.size(), 0.0), sum_ref(whole.size(), 0.0);
+    std::vector<float> b13(w.w13_bias.size());
+    for (unsigned r = 0; r < tp; ++r) {
+      const MoeHostWeights s = slice_tensor_parallel(w, tp, r);
+      EXPECT_EQ(s.geometry.activation.kind, MoeActivation::gpt_oss);
+      ASSERT_EQ(s.w13_bias.size(), E * 2 * n);
+      EXPECT_EQ(s.w2_bias, r == 0 ? w.w2_bias : std::vector<float>{});
+      for (std::uint64_t e = 0; e < E; ++e)
+        for (std::uint64_t h = 0; h < 2; ++h)
+          std::copy_n(s.w13_bias.begin() + (e * 2 + h) * n, n, b13.begin() + e * 2 * N + h * N + r * n);
+      const auto part = oracle(s, in.hidden, in.T, in.ids, in.wts, all);
+      for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += part[i];
+      std::vector<float> pr(whole.size());
+      moe_reference(s, in.hidden, in.T, in.ids, in.wts, pr, 1);
+      for (std::size_t i = 0; i < sum.size(); ++i) sum_ref[i] += pr[i];
+    }
+    EXPECT_EQ(b13, w.w13_bias);
+    EXPECT_LT(rel(sum, whole), 1e-12);
+    EXPECT_LT(rel(sum_ref, to_double(whole_ref)), 1e-6 * tp);
+  }
+  for (unsigned ep : {1u, 3u, 4u}) {  // 4 % 3 != 0: uneven blocks
+    SCOPED_TRACE("ep " + std::to_string(ep));
+    std::vector<double> sum(whole.size(), 0.0);
+    std::vector<float> b13, b2;
+    for (unsigned r = 0; r < ep; ++r) {
+      const ExpertPartition p = expert_parallel_partition(g.experts, ep, r);
+      const MoeHostWeights s = slice_expert_parallel(w, ep, r);
+      b13.insert(b13.end(), s.w13_bias.begin(), s.w13_bias.end());
+      b2.insert(b2.end(), s.w2_bias.begin(), s.w2_bias.end());
+      std::vector<std::int32_t> local(in.ids.size(), 0);
+      std::vector<bool> keep(in.ids.size(), false);
+      for (std::size_t i = 0; i < in.ids.size(); ++i)
+        if (p.owns(std::uint32_t(in.ids[i]))) {
+          keep[i] = true;
+          local[i] = in.ids[i] - std::int32_t(p.first);
+        }
+      const auto part = oracle(s, in.hidden, in.T, local, in.wts, keep);
+      for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += part[i];
+    }
+    EXPECT_EQ(b13, w.w13_bias);
+    EXPECT_EQ(b2, w.w2_bias);
+    EXPECT_LT(rel(sum, whole), 1e-12);
+  }
+  // Each bias is optional: a layer with only one slices too.
+  MoeHostWeights only13 = w;
+  only13.w2_bias.clear();
+  EXPECT_TRUE(slice_tensor_parallel(only13, 2, 0).w2_bias.empty());
+  EXPECT_EQ(slice_expert_parallel(only13, 2, 1).w13_bias.size(), (E / 2) * 2 * N);
+  MoeHostWeights only2 = w;
+  only2.w13_bias.clear();
+  EXPECT_TRUE(slice_tensor_parallel(only2, 2, 1).w13_bias.empty());
+  EXPECT_EQ(slice_tensor_parallel(only2, 2, 0).w2_bias, w.w2_bias);
 }
 
 INSTANTIATE_TEST_SUITE_P(
