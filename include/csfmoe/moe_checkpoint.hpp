@@ -9,8 +9,17 @@
 //     (NVFP4 only), and the same for w2 with [E, H, N/2] and [E, H, N/g].
 //   gpt-oss MXFP4: L.gate_up_proj_blocks U8 [E, 2N, H/32, 16] with
 //     L.gate_up_proj_scales [E, 2N, H/32], L.down_proj_blocks/_scales likewise.
-//     Rows are taken in the fused [gate; up] order (as csf synth writes them);
-//     expert biases (L.gate_up_proj_bias, ...) are refused as Unsupported.
+//     With expert biases (L.gate_up_proj_bias [E, 2N], L.down_proj_bias
+//     [E, H], BF16 or F32, each optional) the layer is gpt-oss's own: gate and
+//     up rows interleave (row 2i gate i, row 2i+1 up i, as in transformers'
+//     GptOssExperts) and are de-interleaved into the w13 order with their
+//     block scales and bias, and the activation is gpt_oss with gpt-oss's
+//     alpha and limit (MoeActivationSpec::gpt_oss()). Without biases the rows
+//     are taken in the fused [gate; up] order (as csf synth writes them) and
+//     the activation is silu.
+//   Stacked (w13.bias / w2.bias) and per-expert (L.<e>.<proj>.bias) biases
+//   are refused as Unsupported: no known checkpoint convention tells their
+//   activation or row order.
 //   per-expert (ModelOpt): L.<e>.gate_proj / up_proj / down_proj (or w1 / w3 /
 //     w2) .weight [R, K/2], .weight_scale [R, K/g], .weight_scale_2 [] | [1],
 //     experts 0..E-1; gate and up are stacked into w13 (gate rows first). Gate
@@ -37,9 +46,10 @@ namespace csfmoe {
 // Loads layer `layer_key` with geometry.topk = topk, order w13, and checks it
 // with plan_weights. Throws InvalidArgument (unknown layer: the message lists
 // the checkpoint's layers; geometry refused by plan_weights), FormatError
-// (missing tensor, wrong dtype or shape, experts that disagree), Unsupported
-// (gate/up global scales that differ), CorruptData (container CRC mismatch),
-// IoError; every message names the file and the tensor.
+// (missing tensor, wrong dtype or shape, experts that disagree, a non-finite
+// bias), Unsupported (gate/up global scales that differ, stacked or
+// per-expert biases), CorruptData (container CRC mismatch), IoError; every
+// message names the file and the tensor.
 MoeHostWeights load_moe_layer(const std::filesystem::path& checkpoint, std::string_view layer_key,
                               unsigned topk);
 
@@ -59,7 +69,8 @@ class MoeTensorSource {
   virtual std::string label_of(const std::string& name) const = 0;    // where the tensor is, for messages
   virtual ScaleLayout layout_of(const std::string& scale) const = 0;  // layout of a scale tensor's bytes
   // The tensor's bytes (CRC-checked where the source has CRCs). The rules
-  // read only global and input scales; load_moe_layer reads the rest.
+  // read only global and input scales and expert biases; load_moe_layer
+  // reads the rest.
   virtual std::vector<std::uint8_t> read(const std::string& name) const = 0;
   virtual std::vector<std::string> layers() const = 0;  // MoE layer keys held, for messages
 };
@@ -106,8 +117,17 @@ struct MoeLayerProjection {
 struct MoeLayerSpec {
   std::string naming;  // "stacked", "gpt-oss" or "per-expert"
   ScaleFormat format = ScaleFormat::nvfp4;
-  MoeLayerGeometry geometry;  // topk as asked, order w13
+  // topk as asked, order w13; activation gpt_oss for a gpt-oss layer with
+  // biases, silu otherwise.
+  MoeLayerGeometry geometry;
   std::vector<MoeLayerProjection> w13, w2;
+  // The w13 tensor's rows (and its scales' rows) alternate gate, up, gate,
+  // ... in the file (a gpt-oss layer with biases): the reader de-interleaves
+  // them into gate rows, then up rows.
+  bool gate_up_interleaved = false;
+  // Expert biases read as FP32 (gpt-oss; empty when absent): w13_bias
+  // [E, 2N] already in the w13 order (gate, then up), w2_bias [E, H].
+  std::vector<float> w13_bias, w2_bias;
   std::vector<float> w13_global, w2_global;  // [E]; ones for MXFP4
   // [E] NVFP4 activation scales (w13: the gate's), checked finite and
   // positive; empty when the layer has none.

@@ -364,6 +364,11 @@ def gather_moe_layer(tensors: Dict[str, Loaded], layer: str, scale_layout: str =
         (NVFP4 only), the same for w2 with [E, H, N/2], [E, H, N/g];
       gpt-oss MXFP4: L.gate_up_proj_blocks [E, 2N, H/32, 16] with
         L.gate_up_proj_scales [E, 2N, H/32], L.down_proj_blocks / _scales;
+        with expert biases (L.gate_up_proj_bias [E, 2N], L.down_proj_bias
+        [E, H], BF16 or float32, each optional) a gpt-oss layer proper: gate
+        and up rows interleaved (row 2i gate i, row 2i + 1 up i), returned
+        de-interleaved, with activation "gpt_oss" (biases on stacked or
+        per-expert names are refused: Unsupported);
       per-expert (ModelOpt): L.<e>.{gate_proj|up_proj|down_proj} (or w1/w3/w2)
         .weight, .weight_scale, .weight_scale_2 [] | [1], experts 0..E-1.
     The format (nvfp4: K/16 scale columns, mxfp4: K/32) follows from the
@@ -376,11 +381,15 @@ def gather_moe_layer(tensors: Dict[str, Loaded], layer: str, scale_layout: str =
     [E, rows, K/g] as tensors or CsfScales (stacked CSF scales pass through
     undecoded), w13_global / w2_global float32 [E] (ones for MXFP4), and
     w13_input_scale / w2_input_scale float32 [E] when an NVFP4 layer has them
-    (checked finite and positive).
+    (checked finite and positive), and for a gpt-oss layer with biases
+    activation "gpt_oss", alpha, limit (gpt-oss's 1.702, 7.0) and
+    w13_bias float32 [E, 2N] (gate, then up) / w2_bias [E, H] where present
+    (checked finite); prepare_experts passes them on.
     Raises InvalidArgument when no layout matches (naming the layers the
-    tensors hold), FormatError for missing or malformed tensors and
-    Unsupported where the C++ loader refuses (expert biases, gate and up
-    global scales that differ, MXFP4 global scales)."""
+    tensors hold), FormatError for missing or malformed tensors (biases of
+    the wrong shape or dtype included) and Unsupported where the C++ loader
+    refuses (stacked or per-expert biases, gate and up global scales that
+    differ, MXFP4 global scales)."""
     ops._check_choice("scale_layout", scale_layout, ops.LAYOUTS)
     spec = _C.resolve_moe_layer(_layer_table(tensors, scale_layout), layer, 1, _tensor_bytes(tensors),
                                 "gather_moe_layer")
@@ -388,8 +397,15 @@ def gather_moe_layer(tensors: Dict[str, Loaded], layer: str, scale_layout: str =
     out: Dict[str, object] = {"format": fmt}
     if spec["naming"] != "per-expert":
         p13, p2 = spec["w13"][0], spec["w2"][0]
-        out.update(w13=_weight(tensors, p13, True), w2=_weight(tensors, p2, True),
-                   w13_scale=_scales(tensors, p13, fmt), w2_scale=_scales(tensors, p2, fmt))
+        w13, s13 = _weight(tensors, p13, True), _scales(tensors, p13, fmt)
+        if spec["gate_up_interleaved"]:
+            w13 = _deinterleave(w13)
+            # The rows move, so CSF scales are decoded, moved and re-encoded (exact).
+            if isinstance(s13, CsfScales):
+                s13 = CsfScales.compress(_deinterleave(_native(s13)), fmt)
+            else:
+                s13 = _deinterleave(s13)
+        out.update(w13=w13, w2=_weight(tensors, p2, True), w13_scale=s13, w2_scale=_scales(tensors, p2, fmt))
     else:
         w13, w2, s13, s2 = [], [], [], []
         for e in range(E):
@@ -408,4 +424,16 @@ def gather_moe_layer(tensors: Dict[str, Loaded], layer: str, scale_layout: str =
     for key in ("w13_global", "w2_global", "w13_input_scale", "w2_input_scale"):
         if spec[key]:
             out[key] = torch.tensor(spec[key], dtype=torch.float32)
+    if spec["activation"] == "gpt_oss":
+        out.update(activation="gpt_oss", alpha=float(spec["alpha"]), limit=float(spec["limit"]))
+        for key in ("w13_bias", "w2_bias"):
+            if spec[key]:
+                out[key] = torch.tensor(spec[key], dtype=torch.float32).reshape(E, -1)
     return out
+
+
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """[E, 2N, C] with rows alternating gate, up (gpt-oss) -> gate rows, then
+    up rows (the w13 order)."""
+    e, two_n = int(t.shape[0]), int(t.shape[1])
+    return t.reshape(e, two_n // 2, 2, *t.shape[2:]).transpose(1, 2).reshape(t.shape).contiguous()

@@ -331,12 +331,19 @@ def _(hidden, topk_ids, topk_weights, handle):
 def prepare_experts(layer: dict, topk: int, format: str = "nvfp4", order: str = "w13",
                     compression: str = "none", device: Optional[Union[str, torch.device]] = None,
                     **constraints) -> PreparedExperts:
-    """PreparedExperts from csfmoe.checkpoint.gather_moe_layer's dict."""
+    """PreparedExperts from csfmoe.checkpoint.gather_moe_layer's dict (a
+    gpt-oss layer's activation, alpha, limit and biases included)."""
     dev = torch.device(device) if device is not None else layer["w13"].device
 
     def move(x):
         return x.to(dev)
 
+    for key in ("activation", "alpha", "limit"):
+        if key in layer:
+            constraints.setdefault(key, layer[key])
+    for key in ("w13_bias", "w2_bias"):
+        if layer.get(key) is not None:
+            constraints.setdefault(key, move(layer[key]))
     return PreparedExperts(move(layer["w13"]), move(layer["w2"]), move(layer["w13_scale"]),
                            move(layer["w2_scale"]), move(layer["w13_global"]), move(layer["w2_global"]),
                            format, order, topk, compression, **constraints)

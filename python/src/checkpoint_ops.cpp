@@ -231,6 +231,15 @@ nb::dict resolve_layer(nb::dict tensors, const std::string& layer, unsigned topk
   out["w2_global"] = s.w2_global;
   out["w13_input_scale"] = s.w13_input_scale;
   out["w2_input_scale"] = s.w2_input_scale;
+  // A gpt-oss layer with biases: its w13 rows alternate gate, up in the
+  // tensors (the caller de-interleaves them); its biases come already in the
+  // w13 order.
+  out["gate_up_interleaved"] = s.gate_up_interleaved;
+  out["activation"] = std::string(to_string(s.geometry.activation.kind));
+  out["alpha"] = s.geometry.activation.alpha;
+  out["limit"] = s.geometry.activation.limit;
+  out["w13_bias"] = s.w13_bias;
+  out["w2_bias"] = s.w2_bias;
   return out;
 }
 

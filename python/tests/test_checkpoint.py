@@ -285,6 +285,45 @@ def test_gather_layouts_plain_and_csf(gen, tmp_path, kind, fmt, layout):
             assert L[key] is loaded[name]
 
 
+def _interleave(t):
+    """[E, 2N, ..] in the w13 order (gate rows, then up rows) -> gpt-oss's
+    alternate rows (row 2i gate i, row 2i + 1 up i)."""
+    e, two_n = t.shape[0], t.shape[1]
+    n = two_n // 2
+    return torch.stack([t[:, :n], t[:, n:]], dim=2).reshape(t.shape).contiguous()
+
+
+@pytest.mark.parametrize("layout", ["row_major", "swizzled_128x4"])
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
+def test_gather_gpt_oss_with_biases(gen, tmp_path, layout, bias_dtype):
+    """A gpt-oss checkpoint proper: interleaved gate/up rows and biases come
+    back de-interleaved into the w13 order, with activation gpt_oss; plain
+    and through a CSF container (whose w13 scales are re-encoded)."""
+    e, h, n = int(torch.randint(1, 4, (1,), generator=gen)), 1024, 256
+    t = truth_layer(gen, "mxfp4", e, h, n, False)
+    b13 = torch.randn(e, 2 * n, generator=gen).to(bias_dtype)
+    b2 = torch.randn(e, h, generator=gen).to(bias_dtype)
+    pre = "model.layers.1.mlp.experts"
+    file_t = {**t, "w13": _interleave(t["w13"]), "w13_scale": _interleave(t["w13_scale"])}
+    tensors = layer_tensors(file_t, "gpt-oss", "mxfp4", layout, pre)
+    tensors[f"{pre}.gate_up_proj_bias"] = _interleave(b13)
+    tensors[f"{pre}.down_proj_bias"] = b2
+    src, dst = tmp_path / "oss.safetensors", tmp_path / "oss-csf.safetensors"
+    csfmoe.checkpoint.save_file(tensors, src, {"csfmoe.scale_layout": layout})
+    csfmoe.checkpoint.compress_checkpoint(src, dst, layout=layout)
+    for path in (src, dst):
+        L = csfmoe.checkpoint.gather_moe_layer(csfmoe.load_file(path), pre, scale_layout=layout)
+        check_gathered(L, t, "mxfp4")
+        assert (L["activation"], L["alpha"], L["limit"]) == ("gpt_oss", 1.702, 7.0)
+        assert torch.equal(L["w13_bias"], b13.float()) and torch.equal(L["w2_bias"], b2.float())
+    # Without the down bias: still gpt-oss's layer, with the gate/up bias only.
+    del tensors[f"{pre}.down_proj_bias"]
+    L = csfmoe.checkpoint.gather_moe_layer(tensors, pre, scale_layout=layout)
+    check_gathered(L, t, "mxfp4")
+    assert L["activation"] == "gpt_oss" and "w2_bias" not in L
+    assert torch.equal(L["w13_bias"], b13.float())
+
+
 def find_csf():
     exe = os.environ.get("CSFMOE_CSF") or shutil.which("csf")
     if not exe:
@@ -376,11 +415,21 @@ def test_gather_refusals_mirror_the_cpp_loader(gen):
     gather = csfmoe.checkpoint.gather_moe_layer
     pre = "model.layers.0.mlp.experts"
     t = stacked_dict(gen)
-    with pytest.raises(csfmoe.Unsupported, match=rf"'{pre}.w13.bias': the MoE checkpoint loader does not read expert biases"):
+    with pytest.raises(csfmoe.Unsupported, match=rf"'{pre}.w13.bias': expert biases of a stacked"):
         gather({**t, f"{pre}.w13.bias": torch.zeros(2, 128)}, pre)
+    per = layer_tensors(truth_layer(gen, "nvfp4", 2, 128, 64, False), "per-expert", "nvfp4", "row_major", pre)
+    with pytest.raises(csfmoe.Unsupported, match=rf"'{pre}.0.down_proj.bias': expert biases of a per-expert"):
+        gather({**per, f"{pre}.0.down_proj.bias": torch.zeros(128)}, pre)
+    # gpt-oss biases load (test_gather_gpt_oss_with_biases); malformed ones are refused.
     oss = layer_tensors(truth_layer(gen, "mxfp4", 2, 128, 64, False), "gpt-oss", "mxfp4", "row_major", pre)
-    with pytest.raises(csfmoe.Unsupported, match="gate_up_proj_bias"):
-        gather({**oss, f"{pre}.gate_up_proj_bias": torch.zeros(2, 128)}, pre)
+    with pytest.raises(csfmoe.FormatError, match=rf"'{pre}.gate_up_proj_bias': expert bias shape \[2, 64\]"):
+        gather({**oss, f"{pre}.gate_up_proj_bias": torch.zeros(2, 64)}, pre)
+    with pytest.raises(csfmoe.FormatError, match=rf"'{pre}.down_proj_bias': expert bias must be BF16 or F32"):
+        gather({**oss, f"{pre}.down_proj_bias": torch.zeros(2, 128, dtype=torch.float16)}, pre)
+    with pytest.raises(csfmoe.FormatError, match=rf"'{pre}.down_proj_bias': expert bias \[1, 5\] is nan"):
+        b2 = torch.zeros(2, 128)
+        b2[1, 5] = float("nan")
+        gather({**oss, f"{pre}.down_proj_bias": b2}, pre)
     mx = stacked_dict(gen, "mxfp4")
     with pytest.raises(csfmoe.Unsupported, match=rf"'{pre}.w2.weight_scale_2': an MXFP4 layer with a global"):
         gather({**mx, f"{pre}.w2.weight_scale_2": torch.ones(2)}, pre)

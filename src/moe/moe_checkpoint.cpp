@@ -265,6 +265,36 @@ class LayerReader {
     return v;
   }
 
+  // An expert bias [E, R] (BF16 or F32, as gpt-oss checkpoints store them) as
+  // FP32, checked finite; empty when absent (each bias is optional).
+  std::vector<float> bias(const std::string& name, std::uint64_t experts, std::uint64_t rows,
+                          const std::string& rows_of) const {
+    const st::TensorInfo* t = s_.find(name);
+    if (!t) return {};
+    if (t->dtype != st::Dtype::BF16 && t->dtype != st::Dtype::F32)
+      fail(name, fmt::format("expert bias must be BF16 or F32, got {}", st::to_string(t->dtype)));
+    if (t->shape != std::vector<std::uint64_t>{experts, rows})
+      fail(name, fmt::format("expert bias shape {} is not [{}, {}] (experts, rows of '{}')",
+                             shape_str(t->shape), experts, rows, rows_of));
+    const Bytes b = s_.read(name);
+    const std::size_t width = st::dtype_size(t->dtype);
+    if (b.size() != experts * rows * width)
+      fail(name, fmt::format("{} bytes for shape {}", b.size(), shape_str(t->shape)));
+    std::vector<float> v(experts * rows);
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if (width == 2) {
+        std::uint16_t bits;
+        std::memcpy(&bits, b.data() + 2 * i, 2);
+        v[i] = bf16_to_float(bits);
+      } else {
+        std::memcpy(&v[i], b.data() + 4 * i, 4);
+      }
+      if (!std::isfinite(v[i]))
+        fail(name, fmt::format("expert bias [{}, {}] is {}", i / rows, i % rows, v[i]));
+    }
+    return v;
+  }
+
   // MXFP4 carries no global scale; refuse one instead of silently dropping it.
   void no_global(const std::string& name) const {
     if (s_.find(name))
@@ -316,6 +346,23 @@ void append(const Source& src, ScaleFormat format, const MoeLayerProjection& p, 
   for (std::uint64_t e = 0; e < p.experts; ++e)
     for (std::uint64_t r = 0; r < p.rows; ++r)
       for (std::uint64_t j = 0; j < c; ++j) scales.push_back(raw[e * per + swizzled_index(r, j, cs)]);
+}
+
+// gpt-oss's gate_up rows alternate (row 2i is gate i, row 2i + 1 up i, as
+// transformers' GptOssExperts reads them); the w13 order is gate rows, then
+// up rows. `row` is the elements per row (packed bytes, scales or 1 for a bias).
+template <class T>
+void deinterleave_gate_up(std::vector<T>& v, std::uint64_t experts, std::uint64_t n, std::uint64_t row) {
+  std::vector<T> out(v.size());
+  for (std::uint64_t e = 0; e < experts; ++e) {
+    const T* src = v.data() + e * 2 * n * row;
+    T* dst = out.data() + e * 2 * n * row;
+    for (std::uint64_t i = 0; i < n; ++i) {
+      std::copy_n(src + (2 * i) * row, row, dst + i * row);
+      std::copy_n(src + (2 * i + 1) * row, row, dst + (n + i) * row);
+    }
+  }
+  v.swap(out);
 }
 
 }  // namespace
@@ -402,6 +449,12 @@ MoeLayerSpec resolve_moe_layer(const MoeTensorSource& src, std::string_view laye
         if (proj.starts_with(std::string(p) + ".")) {
           naming.insert(i);
           ids.insert(std::stoull(std::string(num)));
+          // Per-expert biases would need an activation the names do not give.
+          if (proj == std::string(p) + ".bias")
+            throw Unsupported(fmt::format(
+                "{}: tensor '{}': expert biases of a per-expert layer are not loaded: the names give no "
+                "activation for them (gpt-oss layers are read under L.gate_up_proj_* / L.down_proj_*)",
+                src.label_of(n), n));
         }
   }
   if (!ids.empty()) found.push_back(Layout::per_expert);
@@ -419,14 +472,17 @@ MoeLayerSpec resolve_moe_layer(const MoeTensorSource& src, std::string_view laye
   if (found[0] != Layout::per_expert) {
     const bool oss = found[0] == Layout::gptoss;
     spec.naming = oss ? "gpt-oss" : "stacked";
-    // This loader reads no expert biases (nor gpt-oss's activation and row
-    // interleave): running without them would be silently wrong. Such layers
-    // run through MoeHostWeights / MoeDeviceWeights with their biases.
-    for (const char* b : {".gate_up_proj_bias", ".down_proj_bias", ".w13.bias", ".w2.bias"})
-      if (src.find(L + b))
-        throw Unsupported(
-            fmt::format("{}: tensor '{}{}': the MoE checkpoint loader does not read expert biases",
-                        src.label_of(L + b), L, b));
+    // Stacked w13 / w2 biases follow no checkpoint convention that would say
+    // the activation and row order they belong to (gpt-oss's layers are
+    // stored under gpt-oss names); refused rather than guessed.
+    if (!oss)
+      for (const char* b : {".w13.bias", ".w2.bias"})
+        if (src.find(L + b))
+          throw Unsupported(fmt::format(
+              "{}: tensor '{}{}': expert biases of a stacked (w13 / w2) layer are not loaded: no known "
+              "checkpoint convention gives their activation or gate/up row order (gpt-oss layers are read "
+              "under their own names, L.gate_up_proj_* / L.down_proj_*)",
+              src.label_of(L + b), L, b));
     const std::string n13 = L + (oss ? ".gate_up_proj_blocks" : ".w13.weight");
     const std::string n2 = L + (oss ? ".down_proj_blocks" : ".w2.weight");
     const std::string s13 = L + (oss ? ".gate_up_proj_scales" : ".w13.weight_scale");
@@ -453,6 +509,17 @@ MoeLayerSpec resolve_moe_layer(const MoeTensorSource& src, std::string_view laye
     }
     spec.geometry.hidden = static_cast<std::uint32_t>(a.p.k);
     spec.geometry.intermediate = static_cast<std::uint32_t>(b.p.k);
+    // Expert biases mark a gpt-oss checkpoint proper: interleaved gate/up rows
+    // and the clamped SwiGLU. Without them the names hold the fused [gate; up]
+    // rows `csf synth` and the b12x split use, run with SiLU as before.
+    const std::string b13 = L + ".gate_up_proj_bias", b2 = L + ".down_proj_bias";
+    if (oss && (src.find(b13) || src.find(b2))) {
+      spec.gate_up_interleaved = true;
+      spec.geometry.activation = MoeActivationSpec::gpt_oss();
+      spec.w13_bias = rd.bias(b13, E, a.p.rows, n13);
+      spec.w2_bias = rd.bias(b2, E, b.p.rows, n2);
+      if (!spec.w13_bias.empty()) deinterleave_gate_up(spec.w13_bias, E, b.p.k, 1);
+    }
     spec.w13.push_back(a.p);
     spec.w2.push_back(b.p);
   } else {
@@ -553,6 +620,13 @@ MoeHostWeights load_moe_layer(const fs::path& checkpoint, std::string_view layer
   w.w2_global = spec.w2_global;
   for (const auto& p : spec.w13) append(src, spec.format, p, w.w13, w.w13_scales);
   for (const auto& p : spec.w2) append(src, spec.format, p, w.w2, w.w2_scales);
+  if (spec.gate_up_interleaved) {
+    const std::uint64_t E = spec.geometry.experts, N = spec.geometry.intermediate, H = spec.geometry.hidden;
+    deinterleave_gate_up(w.w13, E, N, H / 2);
+    deinterleave_gate_up(w.w13_scales, E, N, H / group_size(spec.format));
+  }
+  w.w13_bias = spec.w13_bias;
+  w.w2_bias = spec.w2_bias;
   validate(w);
   return w;
 }

@@ -8,6 +8,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -288,14 +290,301 @@ TEST(MoeCheckpoint, GptOssMxfp4) {
   expect_same_reference(got, w, seed + 1);
   compress_checkpoint(dir / "m.safetensors", dir / "c.safetensors", force_csf());
   expect_same(load_moe_layer(dir / "c.safetensors", kL0, g.topk), w);
+  // Without biases: the fused [gate; up] rows csf synth writes, with SiLU.
+  EXPECT_EQ(got.geometry.activation.kind, MoeActivation::silu);
+  EXPECT_TRUE(got.w13_bias.empty() && got.w2_bias.empty());
+}
 
-  // The loader reads no expert biases: refused, not dropped.
-  auto ts = stacked_tensors(kL0, w);
-  const std::uint64_t E = g.experts, N = g.intermediate;
-  ts.push_back({kL0 + ".gate_up_proj_bias", st::Dtype::F32, {E, 2 * N}, Bytes(E * 2 * N * 4)});
-  write_st(dir / "bias.safetensors", ts);
-  const auto m = expect_throw<Unsupported>([&] { load_moe_layer(dir / "bias.safetensors", kL0, g.topk); });
-  EXPECT_NE(m.find(kL0 + ".gate_up_proj_bias"), std::string::npos) << m;
+// A gpt-oss checkpoint proper, as its files hold it: gate and up rows
+// interleaved in gate_up_proj_blocks / _scales / _bias, biases BF16 or F32.
+struct GptOssFile {
+  std::uint64_t E = 0, H = 0, N = 0;
+  Bytes b13, s13, b2, s2;            // blocks and scales, file order
+  std::vector<float> bias13, bias2;  // the biases' values (exact in the file's dtype)
+  st::Dtype bias_dtype = st::Dtype::F32;
+  std::vector<Tensor> tensors(const std::string& L, bool with13 = true, bool with2 = true) const {
+    auto enc = [&](const std::vector<float>& v) {
+      if (bias_dtype == st::Dtype::F32) return bytes_of(v);
+      std::vector<std::uint16_t> h(v.size());
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        std::uint32_t bits;
+        std::memcpy(&bits, &v[i], 4);
+        h[i] = static_cast<std::uint16_t>(bits >> 16);  // the values are bf16-exact
+      }
+      return bytes_of(h);
+    };
+    std::vector<Tensor> ts = {{L + ".gate_up_proj_blocks", st::Dtype::U8, {E, 2 * N, H / 32, 16}, b13},
+                              {L + ".gate_up_proj_scales", st::Dtype::U8, {E, 2 * N, H / 32}, s13},
+                              {L + ".down_proj_blocks", st::Dtype::U8, {E, H, N / 32, 16}, b2},
+                              {L + ".down_proj_scales", st::Dtype::U8, {E, H, N / 32}, s2}};
+    if (with13) ts.push_back({L + ".gate_up_proj_bias", bias_dtype, {E, 2 * N}, enc(bias13)});
+    if (with2) ts.push_back({L + ".down_proj_bias", bias_dtype, {E, H}, enc(bias2)});
+    return ts;
+  }
+};
+
+GptOssFile gpt_oss_file(const MoeLayerGeometry& g, st::Dtype bias_dtype, std::mt19937_64& rng) {
+  GptOssFile f;
+  f.E = g.experts;
+  f.H = g.hidden;
+  f.N = g.intermediate;
+  f.bias_dtype = bias_dtype;
+  std::uniform_int_distribution<int> byte(0, 255), scale(120, 128);  // E8M0 2^-7 .. 2^1
+  auto fill = [&](std::uint64_t n, auto& d) {
+    Bytes b(n);
+    for (auto& v : b) v = static_cast<std::uint8_t>(d(rng));
+    return b;
+  };
+  f.b13 = fill(f.E * 2 * f.N * f.H / 2, byte);
+  f.s13 = fill(f.E * 2 * f.N * f.H / 32, scale);
+  f.b2 = fill(f.E * f.H * f.N / 2, byte);
+  f.s2 = fill(f.E * f.H * f.N / 32, scale);
+  // bf16-exact values; every fourth one beyond the limit, so the clamp is reached.
+  std::normal_distribution<float> d(0.0f, 2.0f);
+  auto biases = [&](std::uint64_t n) {
+    std::vector<float> v(n);
+    for (std::size_t i = 0; i < n; ++i)
+      v[i] = bf16_to_float(float_to_bf16(i % 4 == 3 ? (i % 8 == 3 ? 9.0f : -9.0f) + d(rng) : d(rng)));
+    return v;
+  };
+  f.bias13 = biases(f.E * 2 * f.N);
+  f.bias2 = biases(f.E * f.H);
+  return f;
+}
+
+// The layer's output computed in float64 straight from the interleaved file
+// tensors: gate i = row 2i, up i = row 2i + 1, gpt-oss's clamped SwiGLU
+// written out (activation.hpp's formula), then the down projection and bias.
+std::vector<double> gpt_oss_oracle(const GptOssFile& f, bool with13, bool with2,
+                                   const std::vector<std::uint16_t>& hidden, std::uint32_t T, std::uint32_t k,
+                                   const std::vector<std::int32_t>& ids, const std::vector<float>& wts) {
+  const std::uint64_t H = f.H, N = f.N;
+  auto elem = [](const Bytes& blocks, const Bytes& scales, std::uint64_t row, std::uint64_t col,
+                 std::uint64_t K) {
+    const std::uint8_t b = blocks[row * (K / 2) + col / 2];
+    return double(e2m1_to_float(static_cast<std::uint8_t>(col % 2 ? b >> 4 : b & 0xF))) *
+           double(e8m0_to_float(scales[row * (K / 32) + col / 32]));
+  };
+  std::vector<double> out(std::size_t{T} * H, 0.0);
+  for (std::uint32_t t = 0; t < T; ++t)
+    for (std::uint32_t j = 0; j < k; ++j) {
+      const std::uint64_t e = std::uint64_t(ids[t * k + j]);
+      std::vector<double> act(N);
+      for (std::uint64_t i = 0; i < N; ++i) {
+        const std::uint64_t gr = e * 2 * N + 2 * i, ur = gr + 1;  // interleaved rows
+        double gate = with13 ? f.bias13[gr] : 0.0, up = with13 ? f.bias13[ur] : 0.0;
+        for (std::uint64_t h = 0; h < H; ++h) {
+          const double x = bf16_to_float(hidden[t * H + h]);
+          gate += elem(f.b13, f.s13, gr, h, H) * x;
+          up += elem(f.b13, f.s13, ur, h, H) * x;
+        }
+        gate = std::min(gate, 7.0);
+        up = std::clamp(up, -7.0, 7.0);
+        act[i] = (up + 1.0) * gate / (1.0 + std::exp(-1.702 * gate));
+      }
+      for (std::uint64_t h = 0; h < H; ++h) {
+        double y = with2 ? f.bias2[e * H + h] : 0.0;
+        for (std::uint64_t i = 0; i < N; ++i) y += elem(f.b2, f.s2, e * H + h, i, N) * act[i];
+        out[t * H + h] += double(wts[t * k + j]) * y;
+      }
+    }
+  return out;
+}
+
+double rel_error(const std::vector<float>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return std::sqrt(num / den);
+}
+
+// The loaded layer: rows, scales and biases de-interleaved (checked index by
+// index against the file), activation gpt_oss with gpt-oss's constants, and
+// its CPU reference equal to the float64 layer computed from the file.
+void expect_gpt_oss_layer(const MoeHostWeights& got, const GptOssFile& f, bool with13, bool with2,
+                          std::uint32_t topk, std::uint64_t seed) {
+  const std::uint64_t E = f.E, H = f.H, N = f.N;
+  ASSERT_EQ(got.format, ScaleFormat::mxfp4);
+  ASSERT_EQ(got.geometry.experts, E);
+  ASSERT_EQ(got.geometry.hidden, H);
+  ASSERT_EQ(got.geometry.intermediate, N);
+  EXPECT_EQ(got.geometry.order, GateUpOrder::w13);
+  EXPECT_EQ(got.geometry.activation.kind, MoeActivation::gpt_oss);
+  EXPECT_EQ(got.geometry.activation.alpha, kGptOssAlpha);
+  EXPECT_EQ(got.geometry.activation.limit, kGptOssLimit);
+  ASSERT_EQ(got.w13.size(), f.b13.size());
+  ASSERT_EQ(got.w13_scales.size(), f.s13.size());
+  std::uint64_t mismatches = 0;
+  for (std::uint64_t e = 0; e < E; ++e)
+    for (std::uint64_t r = 0; r < 2 * N; ++r) {
+      // Loaded row r: gate r (file row 2r) for r < N, else up r - N (file row 2(r - N) + 1).
+      const std::uint64_t fr = e * 2 * N + (r < N ? 2 * r : 2 * (r - N) + 1), lr = e * 2 * N + r;
+      for (std::uint64_t c = 0; c < H / 2; ++c)
+        mismatches += got.w13[lr * (H / 2) + c] != f.b13[fr * (H / 2) + c];
+      for (std::uint64_t c = 0; c < H / 32; ++c)
+        mismatches += got.w13_scales[lr * (H / 32) + c] != f.s13[fr * (H / 32) + c];
+      if (with13) mismatches += got.w13_bias.at(lr) != f.bias13[fr];
+    }
+  EXPECT_EQ(mismatches, 0u);
+  EXPECT_EQ(got.w2, f.b2);
+  EXPECT_EQ(got.w2_scales, f.s2);
+  EXPECT_EQ(got.w13_global, std::vector<float>(E, 1.0f));
+  if (with13)
+    EXPECT_EQ(got.w13_bias.size(), E * 2 * N);
+  else
+    EXPECT_TRUE(got.w13_bias.empty());
+  EXPECT_EQ(got.w2_bias, with2 ? f.bias2 : std::vector<float>{});
+
+  std::mt19937_64 rng(seed);
+  const std::uint32_t T = 5;
+  std::normal_distribution<float> x;
+  std::vector<std::uint16_t> hidden(std::size_t{T} * H);
+  for (auto& v : hidden) v = float_to_bf16(x(rng));
+  std::vector<std::int32_t> ids(std::size_t{T} * topk);
+  std::vector<float> wts(ids.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    ids[i] = std::uniform_int_distribution<std::int32_t>(0, std::int32_t(E) - 1)(rng);
+    wts[i] = std::uniform_real_distribution<float>(0.1f, 1.0f)(rng);
+  }
+  std::vector<float> out(hidden.size());
+  moe_reference(got, hidden, T, ids, wts, out, 1);
+  const auto want = gpt_oss_oracle(f, with13, with2, hidden, T, topk, ids, wts);
+  EXPECT_LT(rel_error(out, want), 1e-6);
+  // The oracle is not blind to the row order: reading the rows fused is far off.
+  MoeHostWeights fused = got;
+  fused.w13 = f.b13;
+  fused.w13_scales = f.s13;
+  std::vector<float> wrong(hidden.size());
+  moe_reference(fused, hidden, T, ids, wts, wrong, 1);
+  EXPECT_GT(rel_error(wrong, want), 1e-2);
+}
+
+TEST(MoeCheckpoint, GptOssWithBiasesIsDeinterleaved) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  TempDir dir;
+  for (st::Dtype dt : {st::Dtype::BF16, st::Dtype::F32}) {
+    SCOPED_TRACE(std::string(st::to_string(dt)));
+    const MoeLayerGeometry g = random_geometry(rng);
+    const GptOssFile f = gpt_oss_file(g, dt, rng);
+    const fs::path p = dir / fmt::format("oss-{}.safetensors", st::to_string(dt));
+    write_st(p, f.tensors(kL0));
+    EXPECT_EQ(list_moe_layers(p), std::vector<std::string>{kL0});
+    const MoeHostWeights got = load_moe_layer(p, kL0, g.topk);
+    expect_gpt_oss_layer(got, f, true, true, g.topk, seed + 1);
+    // Through a CSF container: the same layer.
+    const fs::path c = dir / fmt::format("oss-{}-csf.safetensors", st::to_string(dt));
+    EXPECT_EQ(csf_tensors(compress_checkpoint(p, c, force_csf())), 2u);
+    const MoeHostWeights back = load_moe_layer(c, kL0, g.topk);
+    expect_same(back, got);
+    EXPECT_EQ(back.w13_bias, got.w13_bias);
+    EXPECT_EQ(back.w2_bias, got.w2_bias);
+    EXPECT_EQ(back.geometry.activation.kind, MoeActivation::gpt_oss);
+  }
+  // Each bias is optional (MoeHostWeights' are): either one alone still marks
+  // the layer gpt-oss's, interleaved and clamped.
+  const MoeLayerGeometry g = random_geometry(rng);
+  const GptOssFile f = gpt_oss_file(g, st::Dtype::BF16, rng);
+  for (const auto& [with13, with2] : {std::pair{true, false}, std::pair{false, true}}) {
+    SCOPED_TRACE(fmt::format("gate_up bias {}, down bias {}", with13, with2));
+    const fs::path p = dir / fmt::format("oss-{}{}.safetensors", with13, with2);
+    write_st(p, f.tensors(kL0, with13, with2));
+    expect_gpt_oss_layer(load_moe_layer(p, kL0, g.topk), f, with13, with2, g.topk, seed + 2);
+  }
+}
+
+TEST(MoeCheckpoint, RefusesBrokenExpertBiases) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g = random_geometry(rng);
+  const GptOssFile f = gpt_oss_file(g, st::Dtype::BF16, rng);
+  const std::uint64_t E = g.experts, N = g.intermediate, H = g.hidden;
+  const std::string b13 = kL0 + ".gate_up_proj_bias", b2 = kL0 + ".down_proj_bias";
+  TempDir dir;
+  int n = 0;
+  auto variant = [&](auto edit) {
+    auto ts = f.tensors(kL0);
+    edit(ts);
+    const fs::path p = dir / ("v" + std::to_string(n++) + ".safetensors");
+    write_st(p, ts);
+    return p;
+  };
+  auto find = [](std::vector<Tensor>& ts, const std::string& name) -> Tensor& {
+    for (auto& t : ts)
+      if (t.name == name) return t;
+    throw std::runtime_error("no tensor " + name);
+  };
+  // The message names the file, the tensor and the reason.
+  auto refused = [&](const fs::path& p, const std::string& tensor, const std::string& why) {
+    const auto m = expect_throw<FormatError>([&] { (void)load_moe_layer(p, kL0, g.topk); });
+    for (const auto& part : {p.string(), tensor, why}) EXPECT_NE(m.find(part), std::string::npos) << m;
+  };
+  // Wrong shapes: the N rows of one half, a transposed bias, an extra axis.
+  for (const std::vector<std::uint64_t>& shape :
+       {std::vector<std::uint64_t>{E, N}, {2 * N, E}, {E, 2 * N, 1}, {E * 2 * N}}) {
+    const fs::path p = variant([&](auto& ts) {
+      Tensor& t = find(ts, b13);
+      t.shape = shape;
+      std::uint64_t elems = 1;
+      for (auto d : shape) elems *= d;
+      t.data.resize(elems * 2);
+    });
+    refused(p, b13, "shape");
+  }
+  refused(variant([&](auto& ts) {
+            Tensor& t = find(ts, b2);
+            t.shape = {E + 1, H};
+            t.data.resize((E + 1) * H * 2);
+          }),
+          b2, "shape");
+  // Wrong dtypes: F16 (not what gpt-oss stores), U8 bytes of the same size.
+  refused(variant([&](auto& ts) { find(ts, b2).dtype = st::Dtype::F16; }), b2, "BF16 or F32");
+  refused(variant([&](auto& ts) {
+            Tensor& t = find(ts, b13);
+            t.dtype = st::Dtype::U8;
+            t.shape = {E, 4 * N};
+          }),
+          b13, "BF16 or F32");
+  // A non-finite bias, at a random place.
+  {
+    const std::uint64_t at = std::uniform_int_distribution<std::uint64_t>(0, E * H - 1)(rng);
+    const fs::path p = variant([&](auto& ts) {
+      const std::uint16_t inf = 0x7F80;
+      std::memcpy(find(ts, b2).data.data() + 2 * at, &inf, 2);
+    });
+    refused(p, b2, fmt::format("[{}, {}] is inf", at / H, at % H));
+  }
+  // Biases on stacked (ModelOpt) or per-expert names: no convention says
+  // their activation; refused, not dropped.
+  {
+    const MoeHostWeights w = synthetic_moe_weights(ScaleFormat::nvfp4, g, seed);
+    auto ts = stacked_tensors(kL0, w);
+    ts.push_back({kL0 + ".w2.bias", st::Dtype::F32, {E, H}, Bytes(E * H * 4)});
+    write_st(dir / "stacked.safetensors", ts);
+    const auto m =
+        expect_throw<Unsupported>([&] { (void)load_moe_layer(dir / "stacked.safetensors", kL0, g.topk); });
+    EXPECT_NE(m.find(kL0 + ".w2.bias"), std::string::npos) << m;
+    PerExpert pe = per_expert_layer(kL0, g, seed);
+    pe.tensors.push_back({kL0 + ".1.up_proj.bias", st::Dtype::F32, {N}, Bytes(N * 4)});
+    write_st(dir / "per-expert.safetensors", pe.tensors);
+    const auto m2 =
+        expect_throw<Unsupported>([&] { (void)load_moe_layer(dir / "per-expert.safetensors", kL0, g.topk); });
+    EXPECT_NE(m2.find(kL0 + ".1.up_proj.bias"), std::string::npos) << m2;
+  }
+  // A truncated file (cut at a random byte of its data): a typed error, no crash.
+  {
+    const fs::path p = variant([](auto&) {});
+    const std::uintmax_t size = fs::file_size(p);
+    fs::resize_file(p, std::uniform_int_distribution<std::uintmax_t>(size / 2, size - 1)(rng));
+    try {
+      (void)load_moe_layer(p, kL0, g.topk);
+      ADD_FAILURE() << "a truncated file loaded";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(p.string()), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(MoeCheckpoint, SwizzledScalesFromMetadata) {
@@ -699,6 +988,23 @@ TEST(MoeCheckpointCli, RunsALayerOfACheckpoint) {
   // A checkpoint fixes the geometry; --layer needs a checkpoint.
   EXPECT_NE(csf(dir, "moe --checkpoint " + two + " --hidden 128 --cpu").code, 0);
   EXPECT_NE(csf(dir, "moe --layer " + kL0 + " --cpu").code, 0);
+}
+
+TEST(MoeCheckpointCli, RunsAGptOssLayerWithItsBiases) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  const MoeLayerGeometry g = random_geometry(rng);
+  const GptOssFile f = gpt_oss_file(g, st::Dtype::BF16, rng);
+  TempDir dir;
+  const fs::path p = dir / "oss.safetensors";
+  write_st(p, f.tensors(kL0));
+  const CliRun r = csf(dir, "moe --checkpoint '" + p.string() + "' --cpu --tokens 2 --iters 1");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find(fmt::format("{} E={} H={} N={} k={} mxfp4 gpt_oss (alpha 1.702, limit 7, gate/up and "
+                                   "down biases)",
+                                   kL0, g.experts, g.hidden, g.intermediate, std::min(8u, g.experts))),
+            std::string::npos)
+      << r.out;
 }
 
 }  // namespace

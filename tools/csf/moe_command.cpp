@@ -132,7 +132,7 @@ std::vector<float> run_gpu(const MoeArgs& a, const MoeHostWeights& hw, const Inp
   const MoePlan plan = plan_weights(hw.format, g, c);
   auto w13 = DevBuf::of(hw.w13), w2 = DevBuf::of(hw.w2);
   auto s13 = DevBuf::of(hw.w13_scales), s2 = DevBuf::of(hw.w2_scales);
-  std::unique_ptr<DevBuf> g13, g2;
+  std::unique_ptr<DevBuf> g13, g2, b13, b2;
   MoeDeviceWeights d;
   d.w13 = w13->as<std::uint8_t>();
   d.w2 = w2->as<std::uint8_t>();
@@ -143,6 +143,15 @@ std::vector<float> run_gpu(const MoeArgs& a, const MoeHostWeights& hw, const Inp
     g2 = DevBuf::of(hw.w2_global);
     d.w13_global = g13->as<float>();
     d.w2_global = g2->as<float>();
+  }
+  // A gpt-oss layer's expert biases (each optional), FP32 as the reference takes them.
+  if (!hw.w13_bias.empty()) {
+    b13 = DevBuf::of(hw.w13_bias);
+    d.w13_bias = b13->as<float>();
+  }
+  if (!hw.w2_bias.empty()) {
+    b2 = DevBuf::of(hw.w2_bias);
+    d.w2_bias = b2->as<float>();
   }
   const ScratchSizes need = moe_scale_scratch_bytes(plan);
   DevBuf sc13(native ? 0 : need.w13), sc2(native ? 0 : need.w2);
@@ -219,8 +228,18 @@ int run_moe(const MoeArgs& a) {
   const MoeHostWeights hw = loaded ? std::move(*loaded) : synthetic_moe_weights(f, g, a.seed, fast);
   const Inputs in = make_inputs(g, a.tokens, a.seed + 1);
   const bool custom = !a.checkpoint && (a.experts || a.hidden || a.intermediate || a.topk);
-  fmt::print("layer: {}{} E={} H={} N={} k={} {} ({} weights, {:.1f} s to {}), T={}\n", layer_name,
-             custom ? " (overridden)" : "", g.experts, g.hidden, g.intermediate, g.topk, to_string(f),
+  // The activation a checkpoint's layer runs with (gpt_oss: a gpt-oss layer with expert biases).
+  std::string act(to_string(g.activation.kind));
+  if (g.activation.kind == MoeActivation::gpt_oss) {
+    const bool b13 = !hw.w13_bias.empty(), b2 = !hw.w2_bias.empty();
+    act += fmt::format(" (alpha {}, limit {}, {})", g.activation.alpha, g.activation.limit,
+                       b13 && b2 ? "gate/up and down biases"
+                       : b13     ? "gate/up bias"
+                       : b2      ? "down bias"
+                                 : "no biases");
+  }
+  fmt::print("layer: {}{} E={} H={} N={} k={} {} {} ({} weights, {:.1f} s to {}), T={}\n", layer_name,
+             custom ? " (overridden)" : "", g.experts, g.hidden, g.intermediate, g.topk, to_string(f), act,
              a.checkpoint ? "checkpoint"
              : fast       ? "uniform-code"
                           : "quantized",
