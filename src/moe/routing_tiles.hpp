@@ -14,4 +14,11 @@ inline std::uint64_t max_tiles(std::uint64_t slots, std::uint32_t experts) {
   return (slots + kTileM - 1) / kTileM + (slots < experts ? slots : experts);
 }
 
+// Slots per block of the routing's count and scatter kernels: calls of more
+// slots than one block holds sort in two grid-wide passes (routing.cu), and
+// the workspace keeps one row of E + 1 counts per chunk (the last column
+// counts ids outside [0, E)).
+constexpr std::uint32_t kRouteChunk = 1024;
+inline std::uint64_t route_chunks(std::uint64_t slots) { return (slots + kRouteChunk - 1) / kRouteChunk; }
+
 }  // namespace csfmoe::moe_detail

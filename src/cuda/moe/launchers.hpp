@@ -20,14 +20,16 @@ constexpr int kTileN = 64;  // output rows of the weight per tile
 constexpr int kTileK = 64;  // K slice
 constexpr int kGemmThreads = 128;
 constexpr int kRouteThreads = 1024;
+static_assert(kRouteChunk == kRouteThreads, "a scatter block ranks its chunk in one round");
 
 // Token permutation written by the routing kernel, in tiles of `tile_rows`
 // sorted rows (kTileM for the decode, tiled and prefill kernels, the call's
 // token tile for the grouped kernel).
 struct Routing {
-  int* header = nullptr;       // [0] tiles in use, [1] ids outside [0, E)
-  int* tile_expert = nullptr;  // [routed_tiles] expert of each tile
-  int* sorted_slot = nullptr;  // [routed_tiles * tile_rows] slot t*k+j per sorted row, -1 = padding
+  int* header = nullptr;        // [0] tiles in use, [1] ids outside [0, E)
+  int* tile_expert = nullptr;   // [routed_tiles] expert of each tile
+  int* sorted_slot = nullptr;   // [routed_tiles * tile_rows] slot t*k+j per sorted row, -1 = padding
+  int* chunk_counts = nullptr;  // [route_chunks(slots)][E + 1] scratch of calls above one chunk
   std::uint32_t tile_rows = kTileM;
 };
 

@@ -45,9 +45,11 @@ void check_pointer(const void* p, const char* name, int device, std::size_t alig
 // The routing tables hold the routing of any tile size a call may use (the
 // kTileM tiles of the decode, tiled and prefill kernels, the grouped
 // kernel's token tiles); act holds the padded rows of kTileM tiles, which
-// also covers the grouped kernel's one row per slot.
+// also covers the grouped kernel's one row per slot; chunk_counts is the
+// routing's scratch for calls above one chunk of slots.
 struct Layout {
-  std::uint64_t header = 0, tile_expert = 0, sorted_slot = 0, act = 0, slot_out = 0, total = 0;
+  std::uint64_t header = 0, tile_expert = 0, sorted_slot = 0, chunk_counts = 0, act = 0, slot_out = 0,
+                total = 0;
 };
 Layout layout_of(const MoePlan& plan, std::uint32_t max_tokens) {
   using moe_detail::routed_tiles;
@@ -62,7 +64,8 @@ Layout layout_of(const MoePlan& plan, std::uint32_t max_tokens) {
   l.header = 0;
   l.tile_expert = up(l.header + 16);
   l.sorted_slot = up(l.tile_expert + table_tiles * 4);
-  l.act = up(l.sorted_slot + table_rows * 4);
+  l.chunk_counts = up(l.sorted_slot + table_rows * 4);
+  l.act = up(l.chunk_counts + moe_detail::route_chunks(slots) * (E + 1) * 4);
   l.slot_out = up(l.act + tiles * kTileM * plan.geometry.intermediate * 2);
   l.total = up(l.slot_out + slots * plan.geometry.hidden * 4);
   return l;
@@ -373,6 +376,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   r.header = reinterpret_cast<int*>(base + l.header);
   r.tile_expert = reinterpret_cast<int*>(base + l.tile_expert);
   r.sorted_slot = reinterpret_cast<int*>(base + l.sorted_slot);
+  r.chunk_counts = reinterpret_cast<int*>(base + l.chunk_counts);
   auto* act = reinterpret_cast<std::uint16_t*>(base + l.act);
   auto* slot_out = reinterpret_cast<float*>(base + l.slot_out);
   const std::uint32_t slots = tokens * g.topk;
