@@ -90,6 +90,12 @@ struct MoeBindOptions {
   // stream order (for profilers, or streams shared with kernels that
   // misuse PDL).
   bool programmatic_launch = true;
+  // Calls of T * top_k >= routing_chunked_min_slots (and more than one chunk
+  // of 1024 slots) sort their slots by expert in two grid-wide passes (count
+  // per chunk, then scatter) instead of one block walking every slot; the
+  // tables are the same either way. 0xFFFFFFFF (the default) always sorts in
+  // one block: the two passes have not yet been measured on a GPU.
+  std::uint32_t routing_chunked_min_slots = 0xFFFFFFFFu;
   // Decode kernel block shape overrides (-1 = auto).
   MoeDecodeTuning tuning;
 };
@@ -164,6 +170,9 @@ struct MoeCallPlan {
   bool bf16_slots = false;
   MoeDecodeShape gate_up, down;  // decode kernel only
   bool programmatic_launch = false;
+  // The routing sorts in two grid-wide passes (MoeBindOptions::
+  // routing_chunked_min_slots), else in one block.
+  bool routing_chunked = false;
   // Routed mode: the expansion strategy the rule chose (routed_expansion)
   // and the one the call launches (routed_expansion_kernel of it); none for
   // the other modes and for calls of 0 tokens.

@@ -165,6 +165,8 @@ MoeCallPlan plan_call(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint3
   const bool dense_kernel = (grouped_ok && grouped_size) || (prefill_ok && prefill_size);
   MoeCallPlan c;
   c.programmatic_launch = o.programmatic_launch && caps.cc_major >= 9;
+  const std::uint64_t slots = std::uint64_t(tokens) * g.topk;
+  c.routing_chunked = slots >= o.routing_chunked_min_slots && route_chunks(slots) > 1;
   if (o.force_mode) {
     c.mode = *o.force_mode;
   } else if (plan.constraints.compression == ScaleCompression::none) {

@@ -395,6 +395,27 @@ TEST(CallPlan, TuningOverrides) {
   }
 }
 
+// The chunked routing only where asked for and where a call has more than
+// one chunk of 1024 slots; the default (not yet measured on a GPU) never.
+TEST(CallPlan, ChunkedRoutingFromItsThreshold) {
+  for (const Model& m : kModels) {
+    SCOPED_TRACE(m.name);
+    const MoePlan native = plan_of(ScaleFormat::nvfp4, m.geometry, ScaleCompression::none);
+    const std::uint32_t k = m.geometry.topk;
+    for (const std::uint32_t t : {1u, 128u, 129u, 4096u, kMaxT})
+      EXPECT_FALSE(plan_call(native, h200(), t, false, false, {}).routing_chunked) << t;
+    MoeBindOptions o;
+    o.routing_chunked_min_slots = 1;
+    // 1024 slots are one chunk: one block whatever the option says.
+    EXPECT_FALSE(plan_call(native, h200(), 1024 / k, false, false, o).routing_chunked);
+    EXPECT_TRUE(plan_call(native, h200(), 1024 / k + 1, false, false, o).routing_chunked);
+    o.routing_chunked_min_slots = 4096 * k;
+    EXPECT_FALSE(plan_call(native, h200(), 4095, false, false, o).routing_chunked);
+    EXPECT_TRUE(plan_call(native, h200(), 4096, false, false, o).routing_chunked);
+    EXPECT_TRUE(plan_call(native, h200(), kMaxT, false, false, o).routing_chunked);
+  }
+}
+
 TEST(CallPlan, InvalidTuningIsRejectedNamingTheField) {
   const auto rejects = [](void (*set)(MoeDecodeTuning&), const char* field) {
     MoeDecodeTuning t;

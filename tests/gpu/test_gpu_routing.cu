@@ -1,6 +1,6 @@
 // The MoE routing kernels (src/cuda/moe/routing.cu) against a CPU counting
-// sort: the one-block sort of calls up to one chunk and the two grid-wide
-// passes above it must write the same tables, slot for slot (stable order
+// sort: the one-block sort (any size) and the two grid-wide passes (above
+// one chunk of slots) must write the same tables, slot for slot (stable order
 // inside each expert, padding rows -1, the tile -> expert map, the tile and
 // invalid-id counts), for both id types, every tile size the GEMMs use,
 // uniform and skewed routing and ids outside [0, E).
@@ -69,7 +69,7 @@ struct Case {
 };
 
 template <typename Id>
-void run_case(const Case& c, std::mt19937_64& rng, bool chained) {
+void run_case(const Case& c, std::mt19937_64& rng, bool chunked, bool chained) {
   std::vector<std::int64_t> ids(c.slots);
   std::uniform_int_distribution<std::uint32_t> any(0, c.experts - 1);
   const std::uint32_t hot = any(rng);
@@ -105,7 +105,7 @@ void run_case(const Case& c, std::mt19937_64& rng, bool chained) {
   cudaStream_t stream;
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   moe_detail::launch_routing(d_ids, sizeof(Id) == 8 ? IndexType::int64 : IndexType::int32, c.slots, c.experts,
-                             r, chained, stream);
+                             r, chunked, chained, stream);
   check(cudaStreamSynchronize(stream), "routing");
   check(cudaStreamDestroy(stream), "stream");
 
@@ -140,11 +140,13 @@ TEST(GpuRouting, ChunkedAndOneBlockSortsEqualTheCpuSort) {
   for (const std::uint32_t slots : sizes)
     for (const std::uint32_t experts : expert_counts) {
       const Case c{slots, experts, tiles[rng() % std::size(tiles)], rng() % 3 == 0, rng() % 3 == 0};
-      if (n++ % 2 == 0)
-        run_case<std::int64_t>(c, rng, n % 4 == 1);
-      else
-        run_case<std::int32_t>(c, rng, n % 4 == 3);
-      if (HasFatalFailure()) return;
+      for (const bool chunked : {false, true}) {
+        if (n++ % 2 == 0)
+          run_case<std::int64_t>(c, rng, chunked, n % 4 == 1);
+        else
+          run_case<std::int32_t>(c, rng, chunked, n % 4 == 0);
+        if (HasFatalFailure()) return;
+      }
     }
 }
 

@@ -34,9 +34,11 @@ struct Routing {
 };
 
 // `chained`: launched as a programmatic dependent of the stream's previous
-// kernel (launch.cuh), as every launch below can be.
+// kernel (launch.cuh), as every launch below can be. `chunked`: two
+// grid-wide passes over chunks of kRouteChunk slots (r.chunk_counts), where
+// the call has more than one chunk; else one block.
 void launch_routing(const void* ids, IndexType id_type, std::uint32_t slots, std::uint32_t experts,
-                    const Routing& r, bool chained, cudaStream_t stream);
+                    const Routing& r, bool chunked, bool chained, cudaStream_t stream);
 
 // Where one projection's scale bytes come from.
 enum class ScaleKind : int { dense_row_major = 0, dense_swizzled = 1, csf = 2 };

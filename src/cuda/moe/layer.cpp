@@ -384,7 +384,8 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   if (grouped) r.tile_rows = plan.token_tile;
   const std::uint64_t tiles = moe_detail::max_tiles(slots, g.experts);
 
-  moe_detail::launch_routing(topk_ids, id_type, slots, g.experts, r, plan.programmatic_launch, b.stream_);
+  moe_detail::launch_routing(topk_ids, id_type, slots, g.experts, r, plan.routing_chunked,
+                             plan.programmatic_launch, b.stream_);
 
   moe_detail::ScaleSource s13, s2;
   switch (mode) {

@@ -3,12 +3,13 @@
 // of r.tile_rows rows, and the tile -> expert map. No host sync, no
 // allocation, deterministic (the only atomics count, and counts commute).
 //
-// A call of at most one chunk of slots (kRouteChunk, the decode sizes) sorts
-// in one block. Larger calls sort in two grid-wide passes over chunks: each
-// block counts its chunk's slots per expert into r.chunk_counts, then each
-// block derives the padded expert offsets and its chunk's place within each
-// expert from the counts and scatters its chunk. One block walking every
-// slot took tens of microseconds from T k ~ 32K slots on.
+// One block sorts a call of one chunk of slots (kRouteChunk), and any call
+// the plan does not send to the chunked sort (MoeCallPlan::routing_chunked):
+// one round of warp turns per 1024 slots, in one SM. The chunked sort spreads
+// that over the GPU in two grid-wide passes: each block counts its chunk's
+// slots per expert into r.chunk_counts, then each block derives the padded
+// expert offsets and its chunk's place within each expert from the counts
+// and scatters its chunk.
 #include <cub/block/block_scan.cuh>
 
 #include "cuda/moe/launchers.hpp"
@@ -170,12 +171,12 @@ __global__ void __launch_bounds__(kRouteThreads)
   scatter_round(ids, chunk * kRouteChunk, slots, experts, cursor, r);
 }
 
-using RouteFn = void (*)(const void*, std::uint32_t, std::uint32_t, const Routing&, bool, cudaStream_t);
+using RouteFn = void (*)(const void*, std::uint32_t, std::uint32_t, const Routing&, bool, bool, cudaStream_t);
 template <typename Id>
-void route(const void* ids, std::uint32_t slots, std::uint32_t experts, const Routing& r, bool chained,
-           cudaStream_t stream) {
+void route(const void* ids, std::uint32_t slots, std::uint32_t experts, const Routing& r, bool chunked,
+           bool chained, cudaStream_t stream) {
   const auto* typed = static_cast<const Id*>(ids);
-  if (route_chunks(slots) == 1) {
+  if (!chunked || route_chunks(slots) == 1) {
     launch_kernel("moe routing kernel", chained, &route_block_kernel<Id>, dim3(1), dim3(kRouteThreads), 0,
                   stream, typed, slots, experts, r);
     return;
@@ -192,8 +193,8 @@ constexpr RouteFn kRoute[2] = {&route<std::int32_t>, &route<std::int64_t>};
 }  // namespace
 
 void launch_routing(const void* ids, IndexType id_type, std::uint32_t slots, std::uint32_t experts,
-                    const Routing& r, bool chained, cudaStream_t stream) {
-  kRoute[static_cast<int>(id_type)](ids, slots, experts, r, chained, stream);
+                    const Routing& r, bool chunked, bool chained, cudaStream_t stream) {
+  kRoute[static_cast<int>(id_type)](ids, slots, experts, r, chunked, chained, stream);
 }
 
 }  // namespace csfmoe::moe_detail
