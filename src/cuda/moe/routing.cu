@@ -82,7 +82,7 @@ __device__ __forceinline__ void scatter_round(const Id* ids, std::uint32_t base,
 }
 
 // One block: every slot of the call, in rounds of blockDim.x slots (the
-// default for every call; the chunked passes below share its order).
+// default for every call; the chunked passes below write the same tables).
 template <typename Id>
 __global__ void __launch_bounds__(kRouteThreads)
     route_block_kernel(const Id* __restrict__ ids, std::uint32_t slots, std::uint32_t experts, Routing r) {
