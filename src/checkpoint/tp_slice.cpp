@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
+#include <string_view>
 
 #include "checkpoint/b12x_file.hpp"
 #include "checkpoint/container.hpp"
@@ -55,16 +56,39 @@ std::optional<std::vector<CsfPlanes>> slice_csf_planes(const CheckpointFile& f, 
   return out;
 }
 
+constexpr std::string_view kGateUpBias = ".gate_up_proj_bias", kDownBias = ".down_proj_bias";
+
+// The prefixes L of gpt-oss layers proper: those with `L.gate_up_proj_bias`
+// or `L.down_proj_bias` in any of the files (resolve_moe_layer's marker).
+// Their gate/up rows are interleaved (row 2i gate i, row 2i + 1 up i).
+void add_gpt_oss_layers(const CheckpointFile& f, std::set<std::string>& layers) {
+  for (const auto& t : f.tensors())
+    for (const std::string_view suffix : {kGateUpBias, kDownBias})
+      if (t.name.ends_with(suffix)) layers.insert(t.name.substr(0, t.name.size() - suffix.size()));
+}
+
+// Whether `name` is `L<leaf>`, `leaf` one of `leaves`, for an L in `layers`.
+bool in_gpt_oss_layer(const std::string& name, std::initializer_list<std::string_view> leaves,
+                      const std::set<std::string>& layers) {
+  for (const std::string_view leaf : leaves)
+    if (name.ends_with(leaf) && layers.count(name.substr(0, name.size() - leaf.size()))) return true;
+  return false;
+}
+
 class FileSlicer {
  public:
+  // `gpt_oss_layers`: see add_gpt_oss_layers (collected over every file of a
+  // folder: a layer's bias may sit in another shard than its weights).
   FileSlicer(const CheckpointFile& f, unsigned tp, unsigned rank, std::optional<ScaleLayout> layout,
-             std::map<std::string, std::vector<CsfPlanes>>* planes)
+             std::map<std::string, std::vector<CsfPlanes>>* planes,
+             const std::set<std::string>& gpt_oss_layers)
       : f_(f),
         tp_(tp),
         rank_(rank),
         label_(f.path().string()),
         det_(detect_scales(f.header(), source_layout(f.header(), layout, label_), label_)),
-        planes_(planes) {
+        planes_(planes),
+        gpt_oss_layers_(gpt_oss_layers) {
     for (const auto& c : det_.scales) by_companion_[c.companion] = &c;
   }
 
@@ -72,8 +96,26 @@ class FileSlicer {
   Sliced slice(const st::TensorInfo& t, bool shape_only) const {
     Sliced out;
     out.shape = t.shape;
-    const TpSplit split = tensor_parallel_split_of(t.name);
+    TpSplit split = tensor_parallel_split_of(t.name);
     if (split == TpSplit::none) return out;
+    // gpt-oss proper (vLLM's loader): gate/up rows interleaved, so each
+    // rank keeps the contiguous rows [2 r n, 2 (r + 1) n) of the 2N (pairs
+    // stay together); the down bias is whole on rank 0 and zero elsewhere,
+    // so that summing the ranks adds it once.
+    if (split == TpSplit::gate_up_rows &&
+        in_gpt_oss_layer(t.name, {".gate_up_proj_blocks", ".gate_up_proj_scales", kGateUpBias},
+                         gpt_oss_layers_))
+      split = TpSplit::rows;
+    if (in_gpt_oss_layer(t.name, {kDownBias}, gpt_oss_layers_)) {
+      if (rank_ == 0) return out;
+      out.copy = false;
+      if (!shape_only) {
+        std::uint64_t n = st::dtype_size(t.dtype);
+        for (auto d : t.shape) n *= d;
+        out.bytes.assign(n, 0);
+      }
+      return out;
+    }
     const std::string what = fmt::format("{}: tensor '{}' ({} split)", label_, t.name, to_string(split));
     const std::vector<std::uint8_t> data = shape_only ? std::vector<std::uint8_t>{} : f_.read(t.name);
     const std::size_t nd = t.shape.size();
@@ -113,7 +155,8 @@ class FileSlicer {
       // Column pieces must be whole scale groups (bytes per group: g/2).
       if (split == TpSplit::cols && !blocks) granule = group_size(it->second->shape.format) / 2;
     } else if (t.name.ends_with("bias")) {
-      // Down-projection biases are not split: whoever sums the ranks adds them once.
+      // Down-projection biases are not split (gpt-oss proper's, above, are
+      // zero on every rank but 0): whoever sums the ranks adds them once.
       if (split == TpSplit::cols || nd == 0) return out;
       axis = nd - 1;
     } else if (nd <= 1 || t.shape.back() == 1) {
@@ -201,6 +244,7 @@ class FileSlicer {
   std::string label_;
   Detection det_;
   std::map<std::string, std::vector<CsfPlanes>>* planes_;  // optional: sliced planes of CSF tensors
+  const std::set<std::string>& gpt_oss_layers_;
   std::map<std::string, const ScaleCandidate*> by_companion_;
   st::Metadata md_;
   std::vector<const st::TensorInfo*> order_;
@@ -249,7 +293,9 @@ TpSliceBytes slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsign
   };
   if (!fs::is_directory(in)) {
     const CheckpointFile f = CheckpointFile::open(in);
-    FileSlicer s(f, tp, rank, layout, planes ? &(*planes)[""] : nullptr);
+    std::set<std::string> gpt_oss_layers;
+    add_gpt_oss_layers(f, gpt_oss_layers);
+    FileSlicer s(f, tp, rank, layout, planes ? &(*planes)[""] : nullptr, gpt_oss_layers);
     s.plan();
     bytes.source = s.source_bytes();
     bytes.sliced = s.sliced_bytes();
@@ -291,13 +337,16 @@ TpSliceBytes slice_checkpoint_tp(const fs::path& in, const fs::path& out, unsign
   for (const auto& r : nested) files.emplace(r, CheckpointFile::open(st::resolve_shard(in, r, in.string())));
   // The slice is native: the index entries of b12x planes become their scale's.
   std::map<std::string, std::string> plane_to_scale;
+  std::set<std::string> gpt_oss_layers;  // of all the shards, before any is sliced
+  for (const auto& [n, f] : files) add_gpt_oss_layers(f, gpt_oss_layers);
   std::map<std::string, FileSlicer> slicers;
   for (const auto& [n, f] : files) {
     if (f.is_b12x())
       for (const auto& e : f.csf_entries())
         for (const auto& part : e.parts) plane_to_scale[part] = e.name;
     FileSlicer& s =
-        slicers.try_emplace(n, f, tp, rank, layout, planes ? &(*planes)[n] : nullptr).first->second;
+        slicers.try_emplace(n, f, tp, rank, layout, planes ? &(*planes)[n] : nullptr, gpt_oss_layers)
+            .first->second;
     s.plan();
     bytes.source += s.source_bytes();
     bytes.sliced += s.sliced_bytes();

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <map>
 #include <optional>
 #include <random>
 #include <string>
@@ -493,6 +494,125 @@ TEST(MoeCheckpoint, GptOssWithBiasesIsDeinterleaved) {
     write_st(p, f.tensors(kL0, with13, with2));
     expect_gpt_oss_layer(load_moe_layer(p, kL0, g.topk), f, with13, with2, g.topk, seed + 2);
   }
+}
+
+// `compress --tp` of a gpt-oss checkpoint proper, vLLM's way: each rank
+// keeps the contiguous interleaved rows [2 r n, 2 (r + 1) n) of gate_up
+// (blocks, scales and bias: gate/up pairs stay together), down's columns,
+// and the down bias on rank 0 only (zeros elsewhere), so that the ranks'
+// reference outputs sum to the whole layer's. Both a file and a folder whose
+// biases sit in another shard than the weights they mark.
+TEST(MoeCheckpoint, GptOssTensorParallelSlicesKeepGateUpPairs) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  TempDir dir;
+  MoeLayerGeometry g = random_geometry(rng);
+  g.intermediate = 256;  // n = 128 (tp 2) and 64 (tp 4): a slice the MoE API plans (N % 64 == 0)
+  const std::uint64_t E = g.experts, H = g.hidden, N = g.intermediate;
+  const std::uint32_t T = 5;
+  std::normal_distribution<float> x;
+  std::vector<std::uint16_t> hidden(std::size_t{T} * H);
+  for (auto& v : hidden) v = float_to_bf16(x(rng));
+  std::vector<std::int32_t> ids(std::size_t{T} * g.topk);
+  std::vector<float> wts(ids.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    ids[i] = std::uniform_int_distribution<std::int32_t>(0, std::int32_t(E) - 1)(rng);
+    wts[i] = std::uniform_real_distribution<float>(0.1f, 1.0f)(rng);
+  }
+  // Rows [a, b) of each of `outer` blocks of `rows` rows of `row_bytes` bytes.
+  auto rows_of = [](const Bytes& src, std::uint64_t outer, std::uint64_t rows, std::uint64_t row_bytes,
+                    std::uint64_t a, std::uint64_t b) {
+    Bytes out;
+    for (std::uint64_t o = 0; o < outer; ++o)
+      out.insert(out.end(), src.begin() + (o * rows + a) * row_bytes,
+                 src.begin() + (o * rows + b) * row_bytes);
+    return out;
+  };
+  for (st::Dtype dt : {st::Dtype::BF16, st::Dtype::F32})
+    for (bool folder : {false, true}) {
+      SCOPED_TRACE(fmt::format("{} {}", st::to_string(dt), folder ? "folder" : "file"));
+      const GptOssFile f = gpt_oss_file(g, dt, rng);
+      const std::vector<Tensor> ts = f.tensors(kL0);
+      std::map<std::string, Tensor> src;
+      for (const auto& t : ts) src[t.name] = t;
+      const std::string tag = fmt::format("{}-{}", st::to_string(dt), folder);
+      const fs::path in = dir / ("in-" + tag + (folder ? "" : ".safetensors"));
+      if (folder) {
+        fs::create_directory(in);
+        write_st(in / "model-00001-of-00002.safetensors", {ts.begin(), ts.begin() + 4});
+        write_st(in / "model-00002-of-00002.safetensors", {ts.begin() + 4, ts.end()});
+      } else {
+        write_st(in, ts);
+      }
+      const MoeHostWeights whole = load_moe_layer(in, kL0, g.topk);
+      ASSERT_EQ(whole.geometry.activation.kind, MoeActivation::gpt_oss);
+      std::vector<float> whole_ref(hidden.size());
+      moe_reference(whole, hidden, T, ids, wts, whole_ref, 1);
+      const std::uint64_t bias_size = st::dtype_size(dt);
+      for (unsigned tp : {2u, 4u}) {
+        SCOPED_TRACE(fmt::format("tp {}", tp));
+        const std::uint64_t n = N / tp;
+        std::vector<double> sum(hidden.size(), 0.0);
+        for (unsigned r = 0; r < tp; ++r) {
+          SCOPED_TRACE(fmt::format("rank {}", r));
+          const std::string rt = fmt::format("{}-{}-{}", tag, tp, r);
+          const fs::path c = dir / ("c-" + rt + (folder ? "" : ".safetensors"));
+          const fs::path back = dir / ("b-" + rt + (folder ? "" : ".safetensors"));
+          CompressOptions o = force_csf();
+          o.tp = tp;
+          o.tp_rank = r;
+          compress_checkpoint(in, c, o);
+          decompress_checkpoint(c, back);
+          std::map<std::string, Tensor> got;
+          std::vector<fs::path> files{back};
+          if (folder) {
+            files.clear();
+            for (const auto& de : fs::directory_iterator(back))
+              if (de.path().extension() == ".safetensors") files.push_back(de.path());
+          }
+          for (const auto& p : files) {
+            const st::File sf = st::File::open(p);
+            for (const auto& t : sf.tensors()) {
+              const auto d = sf.data(t);
+              got[t.name] = Tensor{t.name, t.dtype, t.shape, Bytes(d.begin(), d.end())};
+            }
+          }
+          ASSERT_EQ(got.size(), src.size());
+          const std::uint64_t a = 2 * r * n, b = 2 * (r + 1) * n;  // rows of the 2N, pairs together
+          const Tensor &b13 = got.at(kL0 + ".gate_up_proj_blocks"),
+                       &s13 = got.at(kL0 + ".gate_up_proj_scales"),
+                       &bias13 = got.at(kL0 + ".gate_up_proj_bias"), &bias2 = got.at(kL0 + ".down_proj_bias");
+          EXPECT_EQ(b13.shape, (std::vector<std::uint64_t>{E, 2 * n, H / 32, 16}));
+          EXPECT_EQ(b13.data, rows_of(f.b13, E, 2 * N, H / 2, a, b));
+          EXPECT_EQ(s13.shape, (std::vector<std::uint64_t>{E, 2 * n, H / 32}));
+          EXPECT_EQ(s13.data, rows_of(f.s13, E, 2 * N, H / 32, a, b));
+          EXPECT_EQ(bias13.dtype, dt);
+          EXPECT_EQ(bias13.shape, (std::vector<std::uint64_t>{E, 2 * n}));
+          EXPECT_EQ(bias13.data, rows_of(src.at(bias13.name).data, E, 2 * N, bias_size, a, b));
+          // The down bias: whole on rank 0, zeros of its shape and dtype elsewhere.
+          EXPECT_EQ(bias2.dtype, dt);
+          EXPECT_EQ(bias2.shape, (std::vector<std::uint64_t>{E, H}));
+          EXPECT_EQ(bias2.data, r == 0 ? src.at(bias2.name).data : Bytes(E * H * bias_size, 0));
+          // Down's blocks and scales: columns of N, as before.
+          EXPECT_EQ(got.at(kL0 + ".down_proj_blocks").data, rows_of(f.b2, E * H, N / 32, 16, a / 64, b / 64));
+          EXPECT_EQ(got.at(kL0 + ".down_proj_scales").data, rows_of(f.s2, E * H, N / 32, 1, a / 64, b / 64));
+
+          const MoeHostWeights s = load_moe_layer(c, kL0, g.topk);
+          ASSERT_EQ(s.geometry.intermediate, n);
+          EXPECT_EQ(s.geometry.activation.kind, MoeActivation::gpt_oss);
+          std::vector<float> part(hidden.size());
+          moe_reference(s, hidden, T, ids, wts, part, 1);
+          for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += part[i];
+        }
+        // moe_reference rounds each rank's partial sum to float: tp roundings.
+        double num = 0, den = 0;
+        for (std::size_t i = 0; i < sum.size(); ++i) {
+          num += (sum[i] - whole_ref[i]) * (sum[i] - whole_ref[i]);
+          den += double(whole_ref[i]) * whole_ref[i];
+        }
+        EXPECT_LT(std::sqrt(num / den), 1e-6 * tp);
+      }
+    }
 }
 
 TEST(MoeCheckpoint, RefusesBrokenExpertBiases) {

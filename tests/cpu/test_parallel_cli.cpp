@@ -148,6 +148,12 @@ TEST_F(TpCli, SlicesOfBothFormatsDecompressToTheRanksSliceAndReassemble) {
   ts.push_back(random_tensor(q + "down_proj_blocks", st::Dtype::U8, {E, H, N / 32, 16}));
   ts.push_back(random_tensor(q + "down_proj_scales", st::Dtype::U8, {E, H, N / 32}));
   ts.push_back(random_tensor(q + "down_proj_bias", st::Dtype::BF16, {E, H}));
+  // The same names without biases: the fused [gate; up] rows csf synth writes.
+  const std::string u = "model.layers.2.mlp.experts.";
+  ts.push_back(random_tensor(u + "gate_up_proj_blocks", st::Dtype::U8, {E, 2 * N, H / 32, 16}));
+  ts.push_back(random_tensor(u + "gate_up_proj_scales", st::Dtype::U8, {E, 2 * N, H / 32}));
+  ts.push_back(random_tensor(u + "down_proj_blocks", st::Dtype::U8, {E, H, N / 32, 16}));
+  ts.push_back(random_tensor(u + "down_proj_scales", st::Dtype::U8, {E, H, N / 32}));
   std::map<std::string, Tensor> orig;
   for (const auto& t : ts) orig[t.name] = t;
   const fs::path in = dir_ / "model.safetensors";
@@ -189,6 +195,9 @@ TEST_F(TpCli, SlicesOfBothFormatsDecompressToTheRanksSliceAndReassemble) {
         Bytes want;
         std::vector<std::uint64_t> shape = o.shape;
         const bool nv = name.find("layers.0") != std::string::npos;
+        // gpt-oss proper (biases): interleaved gate/up rows, kept in
+        // contiguous pairs [2a, 2b) as vLLM slices them; without biases: halves.
+        const bool oss = name.find("layers.1") != std::string::npos;
         const auto ends = [&](const char* s) {
           const std::string x(s);
           return name.size() >= x.size() && name.compare(name.size() - x.size(), x.size(), x) == 0;
@@ -206,14 +215,18 @@ TEST_F(TpCli, SlicesOfBothFormatsDecompressToTheRanksSliceAndReassemble) {
           want = rows_of(o.bytes, H, N / 16, 1, a / 16, b / 16);
           shape = {H, n / 16};
         } else if (ends("gate_up_proj_blocks")) {
-          want = halves_of(o.bytes, E, 2 * N, H / 32 * 16, a, b);
+          want = oss ? rows_of(o.bytes, E, 2 * N, H / 32 * 16, 2 * a, 2 * b)
+                     : halves_of(o.bytes, E, 2 * N, H / 32 * 16, a, b);
           shape = {E, 2 * n, H / 32, 16};
         } else if (ends("gate_up_proj_scales")) {
-          want = halves_of(o.bytes, E, 2 * N, H / 32, a, b);
+          want = oss ? rows_of(o.bytes, E, 2 * N, H / 32, 2 * a, 2 * b)
+                     : halves_of(o.bytes, E, 2 * N, H / 32, a, b);
           shape = {E, 2 * n, H / 32};
         } else if (ends("gate_up_proj_bias")) {
-          want = halves_of(o.bytes, E, 2 * N, 2, a, b);
+          want = rows_of(o.bytes, E, 2 * N, 2, 2 * a, 2 * b);
           shape = {E, 2 * n};
+        } else if (ends("down_proj_bias")) {
+          want = r == 0 ? o.bytes : Bytes(o.bytes.size(), 0);  // added once over the ranks
         } else if (ends("down_proj_blocks")) {
           want = rows_of(o.bytes, E * H, N / 32, 16, a / 32, b / 32);
           shape = {E, H, n / 32, 16};
@@ -221,7 +234,7 @@ TEST_F(TpCli, SlicesOfBothFormatsDecompressToTheRanksSliceAndReassemble) {
           want = rows_of(o.bytes, E * H, N / 32, 1, a / 32, b / 32);
           shape = {E, H, n / 32};
         } else {
-          want = o.bytes;  // embeddings, global/input scales, down bias: unchanged
+          want = o.bytes;  // embeddings, global/input scales: unchanged
         }
         EXPECT_EQ(g.shape, shape);
         ASSERT_EQ(g.bytes, want);
