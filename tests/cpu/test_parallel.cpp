@@ -117,6 +117,19 @@ Inputs make_inputs(const MoeLayerGeometry& g, std::uint32_t T, std::mt19937_64& 
   return in;
 }
 
+// One expert-parallel rank's share of the layer: the slots routed to its
+// experts (ids made local to its slice), the others dropped.
+std::vector<double> ep_rank_output(const MoeHostWeights& s, const ExpertPartition& p, const Inputs& in) {
+  std::vector<std::int32_t> local(in.ids.size(), 0);
+  std::vector<bool> keep(in.ids.size(), false);
+  for (std::size_t i = 0; i < in.ids.size(); ++i)
+    if (p.owns(std::uint32_t(in.ids[i]))) {
+      keep[i] = true;
+      local[i] = in.ids[i] - std::int32_t(p.first);
+    }
+  return oracle(s, in.hidden, in.T, local, in.wts, keep);
+}
+
 std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
 
 // A gpt_oss layer with random expert biases: a quarter of them large enough
@@ -190,17 +203,9 @@ TEST_P(Parallel, ExpertParallelRanksSumToTheWholeLayer) {
       covered += p.count;
       const MoeHostWeights s = slice_expert_parallel(w, ep, r);
       ASSERT_EQ(s.geometry.experts, p.count);
-      std::vector<std::int32_t> local(in.ids.size(), 0);
-      std::vector<bool> keep(in.ids.size(), false);
-      for (std::size_t i = 0; i < in.ids.size(); ++i) {
-        ASSERT_EQ(p.owns(std::uint32_t(in.ids[i])),
-                  expert_owner(g.experts, ep, std::uint32_t(in.ids[i])) == r);
-        if (p.owns(std::uint32_t(in.ids[i]))) {
-          keep[i] = true;
-          local[i] = in.ids[i] - std::int32_t(p.first);
-        }
-      }
-      const auto part = oracle(s, in.hidden, in.T, local, in.wts, keep);
+      for (const std::int32_t id : in.ids)
+        ASSERT_EQ(p.owns(std::uint32_t(id)), expert_owner(g.experts, ep, std::uint32_t(id)) == r);
+      const auto part = ep_rank_output(s, p, in);
       for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += part[i];
     }
     EXPECT_EQ(covered, g.experts);
@@ -315,14 +320,7 @@ TEST_P(Parallel, BiasedGptOssRanksSumToTheWholeLayer) {
       const MoeHostWeights s = slice_expert_parallel(w, ep, r);
       b13.insert(b13.end(), s.w13_bias.begin(), s.w13_bias.end());
       b2.insert(b2.end(), s.w2_bias.begin(), s.w2_bias.end());
-      std::vector<std::int32_t> local(in.ids.size(), 0);
-      std::vector<bool> keep(in.ids.size(), false);
-      for (std::size_t i = 0; i < in.ids.size(); ++i)
-        if (p.owns(std::uint32_t(in.ids[i]))) {
-          keep[i] = true;
-          local[i] = in.ids[i] - std::int32_t(p.first);
-        }
-      const auto part = oracle(s, in.hidden, in.T, local, in.wts, keep);
+      const auto part = ep_rank_output(s, p, in);
       for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += part[i];
     }
     EXPECT_EQ(b13, w.w13_bias);

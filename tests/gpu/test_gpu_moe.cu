@@ -18,6 +18,7 @@
 #include "cuda/moe/decode_kernel.cuh"
 #include "moe/grouped_shape.hpp"
 #include "moe/stage_read_index.hpp"
+#include "test_gpu.hpp"
 #include "test_seed.hpp"
 
 namespace csfmoe {
@@ -25,21 +26,7 @@ namespace {
 
 #define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x << ": " << cudaGetErrorString(x)
 
-bool have_gpu() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return n > 0;
-}
-
-#define REQUIRE_GPU() \
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
+using testing::check;
 
 // Owning device buffer.
 struct Buf {

@@ -16,23 +16,13 @@
 #include "cuda/moe/launchers.hpp"
 #include "moe/grouped_shape.hpp"
 #include "moe/routing_tiles.hpp"
+#include "test_gpu.hpp"
 #include "test_seed.hpp"
 
 namespace csfmoe {
 namespace {
 
-bool have_gpu() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return n > 0;
-}
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
+using testing::check;
 
 struct Expected {
   int tiles = 0, invalid = 0;
@@ -126,7 +116,7 @@ void run_case(const Case& c, std::mt19937_64& rng, bool chunked, bool chained) {
 }
 
 TEST(GpuRouting, ChunkedAndOneBlockSortsEqualTheCpuSort) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  REQUIRE_GPU();
   CSFMOE_SEEDED(seed);
   std::mt19937_64 rng(seed);
   const std::uint32_t chunk = moe_detail::kRouteChunk;
