@@ -14,7 +14,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
+#include <string_view>
 
+#include "csfmoe/b12x_planes.hpp"
 #include "csfmoe/codec.hpp"
 #include "csfmoe/memory.hpp"
 
@@ -52,6 +55,8 @@ class DeviceCsfTensor {
   std::shared_ptr<Storage> storage_;
   CsfDeviceView view_;
   friend DeviceCsfTensor encode_on_device(const GridShape&, const std::uint8_t*, int, cudaStream_t);
+  friend DeviceCsfTensor planes_to_device(std::span<const CsfPlanes>, ScaleLayout, int, cudaStream_t,
+                                          std::string_view);
 };
 
 // Encode a native scale tensor that lives on `device` (d_src holds
@@ -62,6 +67,24 @@ class DeviceCsfTensor {
 // 2^32 - 1 exceptions.
 DeviceCsfTensor encode_on_device(const GridShape& shape, const std::uint8_t* d_src, int device,
                                  cudaStream_t stream);
+
+// The resident form of E experts' canonical planes (b12x / vLLM's storage,
+// csfmoe/b12x_planes.hpp; every expert the same grid) built on `device`
+// without decoding: the fixed planes and records are uploaded as they are,
+// then kernels move bases and codes into the resident slabs, re-address the
+// records to the padded columns and find row_prefix / partition_index.
+// Equal part for part to DeviceCsfTensor::upload(planes_to_csf(experts)),
+// with the layout tag `layout` (a swizzled_128x4 tensor holds the same parts:
+// positions are logical). Everything is checked on the host before any
+// device work: shapes (InvalidArgument), each expert's planes
+// (validate_planes: FormatError naming `name` and the expert), a grid the
+// layout or the padded form cannot address (InvalidArgument), more than
+// 2^32 - 1 records (Unsupported). Records that win over their slot are put
+// in the encoder's form first (canonical_planes), on the host, only for the
+// experts that have them. Copies and kernels run on `stream`; the host
+// planes may be freed once this returns.
+DeviceCsfTensor planes_to_device(std::span<const CsfPlanes> experts, ScaleLayout layout, int device,
+                                 cudaStream_t stream, std::string_view name = "scale");
 
 // Rebuild every expert's native grid into d_dst (native_bytes(layout) bytes on
 // the tensor's device), asynchronously on `stream`. Uses the tensor's device

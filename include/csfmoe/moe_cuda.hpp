@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 
 #include "csfmoe/call_plan.hpp"
 #include "csfmoe/device_codec.hpp"
@@ -46,6 +47,8 @@ struct MoeDeviceWeights {
 // Expanded scales go to a caller-owned ScaleScratch (device_codec.hpp), in
 // row-major layout; several layers may share one. Bytes it needs per tensor:
 ScratchSizes moe_scale_scratch_bytes(const MoePlan& plan);
+
+struct MoeCsfPlanes;
 
 // A layer ready to run: the caller's packed weights (referenced, not copied)
 // and either its native scales (referenced) or device-resident CSF copies.
@@ -81,8 +84,8 @@ class MoeWeights {
   const StageReadIndexView& w2_stage_read_index() const { return w2_index_; }
 
  private:
-  friend MoeWeights prepare_weights(const MoePlan&, const MoeDeviceWeights&, const ScaleScratch*,
-                                    cudaStream_t);
+  friend MoeWeights prepare_layer(const MoePlan&, const MoeDeviceWeights&, const MoeCsfPlanes*,
+                                  const ScaleScratch*, cudaStream_t);
   MoePlan plan_;
   MoeDeviceWeights src_;
   DeviceCsfTensor w13_csf_, w2_csf_;
@@ -97,6 +100,27 @@ class MoeWeights {
 // modes (it may be shared by layers) and may be null otherwise. Synchronizes
 // `stream`: call it at load time, before any graph capture.
 MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& weights,
+                           const ScaleScratch* scale_scratch, cudaStream_t stream);
+
+// A CSF layer's block scales as checkpoints store them: per expert, the
+// canonical planes (csfmoe/b12x_planes.hpp) of its w13 grid [2N, H/g], rows
+// in the plan's gate/up order, and of its w2 grid [H, N/g]. b12x / vLLM
+// files, csfmoe's plane containers and its MXFP4 slab containers all read
+// into planes without decoding.
+struct MoeCsfPlanes {
+  std::span<const CsfPlanes> w13, w2;
+};
+
+// prepare_weights for a layer of compression csf whose scales come as
+// planes (weights.w13_scales / w2_scales must be null): the planes are
+// uploaded as they are and the resident CSF parts built from them on the
+// device (planes_to_device), never decoded or re-encoded on the host. The
+// layer equals one prepared from the decoded native scales, part for part.
+// Throws InvalidArgument, before any device work, when the plan is not csf,
+// native scale pointers are given, or an expert count or grid differs from
+// the plan's; FormatError (naming the tensor and expert) for malformed
+// planes; then as the overload above.
+MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeCsfPlanes& scales,
                            const ScaleScratch* scale_scratch, cudaStream_t stream);
 
 // Rebuild all experts' scales of a CSF layer into its scratch on `stream`

@@ -19,15 +19,6 @@ namespace {
 // The layout of a grid's fixed plane.
 csf::PlaneLayout plane_layout(const PlaneShape& s) { return {s.format, s.rows, s.cols}; }
 
-// Byte of a CsfTensor NVFP4 slab holding the code pair j (columns 2j, 2j + 1)
-// of row r: in the 128x4 nibble order a pair is one byte, (j / 2) * 256 +
-// row_in_group + j % 2 after the bases, even column in the low nibble as in
-// the plane, so planes and slabs trade whole bytes.
-std::size_t csf_code_pair_byte(u32 r, u32 j) {
-  return csf::slab_base_bytes(kNv) + std::size_t{j / 2} * csf::nvfp4_group_bytes +
-         csf::nvfp4_row_in_group(r) + j % 2;
-}
-
 // Rewrites validated planes in the encoder's form, decoding to the same
 // bytes: b12x's and vLLM's readers let a record win over its slot, so a
 // record may sit on a non-zero code or hold a byte of its row's window. The
@@ -335,7 +326,7 @@ CsfTensor planes_to_csf(std::span<const CsfPlanes> experts, std::string_view nam
         fx.set_base(e, r, p.fixed[L.base_at(r)]);
         const u8* codes = p.fixed.data() + L.codes_at(r);
         u8* slab = fx.slab(e, r);
-        for (u32 j = 0; j < C / 2; ++j) slab[csf_code_pair_byte(r, j)] = codes[j];
+        for (u32 j = 0; j < C / 2; ++j) slab[csf::nvfp4_code_pair_byte(r, j)] = codes[j];
       }
     } else {
       // Same 16-row slabs, same columns (MXFP4 pads no column): byte for byte.
@@ -375,7 +366,7 @@ std::vector<CsfPlanes> csf_to_planes(const CsfTensor& tensor, std::string_view n
         p.fixed[L.base_at(r)] = fx.base(e, r);
         const u8* slab = fx.slab(e, r);
         u8* codes = p.fixed.data() + L.codes_at(r);
-        for (u32 j = 0; j < C / 2; ++j) codes[j] = slab[csf_code_pair_byte(r, j)];
+        for (u32 j = 0; j < C / 2; ++j) codes[j] = slab[csf::nvfp4_code_pair_byte(r, j)];
       }
     } else {
       std::memcpy(p.fixed.data(), fx.slab(e, 0), p.fixed.size());

@@ -80,6 +80,14 @@ CSFMOE_HD constexpr std::uint32_t nvfp4_offset_shift(std::uint32_t row, std::uin
 CSFMOE_HD constexpr std::uint32_t nvfp4_row_in_group(std::uint32_t row) {
   return (row % 32) * 8 + ((row % 128) / 32) * 2;
 }
+// NVFP4: byte of the slab holding the code pair j (columns 2j, 2j + 1) of
+// row `row`: in the 128x4 nibble order a pair is one byte, even column in the
+// low nibble as in b12x's planes, so planes and slabs trade whole bytes.
+CSFMOE_HD constexpr std::uint32_t nvfp4_code_pair_byte(std::uint32_t row, std::uint32_t j) {
+  return slab_base_bytes(ScaleFormat::nvfp4) + (j / 2) * nvfp4_group_bytes + nvfp4_row_in_group(row) + j % 2;
+}
+static_assert(nvfp4_code_pair_byte(37, 5) == nvfp4_offset_byte(37, 10) &&
+              nvfp4_code_pair_byte(100, 2) == nvfp4_offset_byte(100, 4));
 // MXFP4: first mask byte of the row in its slab (mask_bytes per row), the
 // byte holding the offset bit of (row, col), and the bit.
 CSFMOE_HD constexpr std::uint32_t mxfp4_row_mask(std::uint32_t row, std::uint32_t mask_bytes) {

@@ -4,7 +4,8 @@
 // definition used by the plane codec (src/codec/b12x_planes.cpp), the slab
 // codec (src/codec/mxfp4_slab_planes.cpp) and the reader of files written by
 // b12x / vLLM (src/checkpoint/b12x_file.cpp); the resident CSF layout is
-// csf_layout.hpp's. Host only.
+// csf_layout.hpp's. constexpr, so also usable in device code (the GPU upload of
+// planes, src/cuda/codec/planes_kernels.cuh).
 #pragma once
 
 #include <cstddef>

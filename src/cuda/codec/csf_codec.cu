@@ -15,11 +15,13 @@
 #include "csfmoe/device_codec.hpp"
 #include "csfmoe/errors.hpp"
 #include "cuda/codec/csf_codec.cuh"
+#include "cuda/codec/device_tensor.hpp"
 #include "cuda/primitives/cuda_check.hpp"
 #include "cuda/primitives/strf.hpp"
 
 namespace csfmoe {
 
+using codec_detail::check_device;
 using cuda_detail::DeviceGuard;
 using gpu::u32;
 using gpu::u64;
@@ -30,13 +32,6 @@ namespace {
 template <class... A>
 std::string msg(std::string_view f, const A&... a) {
   return cuda_detail::strf(f, a...);
-}
-
-void check_device(int device, const char* who) {
-  int count = 0;
-  CSFMOE_CUDA_CHECK(cudaGetDeviceCount(&count));
-  if (device < 0 || device >= count)
-    throw InvalidArgument(msg("{}: device {} does not exist ({} CUDA devices)", who, device, count));
 }
 
 // The pointer must be device (or managed) memory usable on `device`.
@@ -200,39 +195,6 @@ void check_dst(const void* dst, const char* who) {
 // ---------------------------------------------------------------------------
 // DeviceCsfTensor
 // ---------------------------------------------------------------------------
-struct DeviceCsfTensor::Storage {
-  int device = -1;
-  u8* fixed = nullptr;
-  u32* exceptions = nullptr;
-  u32* row_prefix = nullptr;
-  u32* partition_index = nullptr;
-  cudaEvent_t ready = nullptr;  // set by encode_on_device: the parts are complete once it fires
-
-  explicit Storage(int d) : device(d) {}
-  Storage(const Storage&) = delete;
-  Storage& operator=(const Storage&) = delete;
-  ~Storage() {
-    try {
-      DeviceGuard guard(device);
-      if (ready) (void)cudaEventSynchronize(ready);  // never free under a running kernel
-      (void)cudaFree(fixed);
-      (void)cudaFree(exceptions);
-      (void)cudaFree(row_prefix);
-      (void)cudaFree(partition_index);
-      if (ready) (void)cudaEventDestroy(ready);
-    } catch (...) {
-      // Destructors must not throw; the context is gone or the device is lost.
-    }
-  }
-  template <class T>
-  static T* alloc(std::uint64_t count, const char* what) {
-    if (count == 0) return nullptr;
-    void* p = nullptr;
-    CSFMOE_CUDA_CHECK_WHAT(cudaMalloc(&p, count * sizeof(T)),
-                           msg("CSF device tensor: cudaMalloc of {} bytes for {}", count * sizeof(T), what));
-    return static_cast<T*>(p);
-  }
-};
 
 DeviceCsfTensor DeviceCsfTensor::upload(const CsfTensor& host, int device) {
   validate(host);

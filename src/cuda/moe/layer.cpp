@@ -132,10 +132,33 @@ moe_detail::StageReadIndex host_stage_read_index(const DeviceCsfTensor& t,
   return moe_detail::build_stage_read_index(v.geometry, rows, records, prefix);
 }
 
+// The checks of a layer's scales given as planes that need no device.
+void check_planes(const MoePlan& plan, const MoeDeviceWeights& w, const MoeCsfPlanes& planes) {
+  if (plan.constraints.compression != ScaleCompression::csf)
+    throw InvalidArgument("prepare_weights: scales given as CSF planes need a plan of compression csf");
+  if (w.w13_scales || w.w2_scales)
+    throw InvalidArgument(
+        "prepare_weights: the scales come as CSF planes; weights.w13_scales / w2_scales must be null");
+  const auto check = [&](std::span<const CsfPlanes> experts, const GridShape& need, const char* what) {
+    if (experts.size() != need.experts)
+      throw InvalidArgument(fmt::format("prepare_weights: {} scale planes hold {} experts, the plan has {}", what,
+                                        experts.size(), need.experts));
+    const PlaneShape shape{need.format, need.rows, need.cols};
+    for (std::size_t e = 0; e < experts.size(); ++e)
+      if (experts[e].shape != shape)
+        throw InvalidArgument(fmt::format("prepare_weights: {} scale planes of expert {} hold grid {}, the plan "
+                                          "needs {}",
+                                          what, e, to_string(experts[e].shape), to_string(shape)));
+  };
+  check(planes.w13, plan.w13_scales, "w13");
+  check(planes.w2, plan.w2_scales, "w2");
+}
+
 }  // namespace
 
-MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const ScaleScratch* scratch,
-                           cudaStream_t stream) {
+MoeWeights prepare_layer(const MoePlan& plan, const MoeDeviceWeights& w, const MoeCsfPlanes* planes,
+                         const ScaleScratch* scratch, cudaStream_t stream) {
+  if (planes) check_planes(plan, w, *planes);
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     (void)cudaGetLastError();
@@ -148,8 +171,10 @@ MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const
   const bool csf = plan.constraints.compression == ScaleCompression::csf;
   check_pointer(w.w13, "prepare_weights: weights.w13", w.device, 16);
   check_pointer(w.w2, "prepare_weights: weights.w2", w.device, 16);
-  check_pointer(w.w13_scales, "prepare_weights: weights.w13_scales", w.device, csf ? 1 : 16);
-  check_pointer(w.w2_scales, "prepare_weights: weights.w2_scales", w.device, csf ? 1 : 16);
+  if (!planes) {
+    check_pointer(w.w13_scales, "prepare_weights: weights.w13_scales", w.device, csf ? 1 : 16);
+    check_pointer(w.w2_scales, "prepare_weights: weights.w2_scales", w.device, csf ? 1 : 16);
+  }
   if (plan.geometry.activation.kind == MoeActivation::gpt_oss) {
     // Optional (a gpt_oss layer without biases adds none); FP32, 16-byte
     // aligned for the combine's float4 reads.
@@ -184,7 +209,11 @@ MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const
                       scratch->w13_bytes, scratch->w2_bytes, need.w13, need.w2));
     out.scratch_ = *scratch;
   }
-  if (csf) {
+  if (planes) {
+    const ScaleLayout layout = plan.constraints.scale_layout;
+    out.w13_csf_ = planes_to_device(planes->w13, layout, w.device, stream, "w13 scales");
+    out.w2_csf_ = planes_to_device(planes->w2, layout, w.device, stream, "w2 scales");
+  } else if (csf) {
     out.w13_csf_ = encode_on_device(plan.w13_scales, w.w13_scales, w.device, stream);
     out.w2_csf_ = encode_on_device(plan.w2_scales, w.w2_scales, w.device, stream);
     // The caller may free its native scales once this returns.
@@ -234,6 +263,16 @@ MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const
     }
   }
   return out;
+}
+
+MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const ScaleScratch* scratch,
+                           cudaStream_t stream) {
+  return prepare_layer(plan, w, nullptr, scratch, stream);
+}
+
+MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const MoeCsfPlanes& scales,
+                           const ScaleScratch* scratch, cudaStream_t stream) {
+  return prepare_layer(plan, w, &scales, scratch, stream);
 }
 
 void expand_scales(const MoeWeights& w, cudaStream_t stream, const ExpandLaunch& launch) {
