@@ -52,7 +52,8 @@ std::vector<CsfPlanes> planes_of(const GridShape& shape, std::uint64_t seed) {
   std::vector<CsfPlanes> out;
   out.reserve(shape.experts);
   for (std::uint32_t e = 0; e < shape.experts; ++e)
-    out.push_back(encode_planes({shape.format, shape.rows, shape.cols}, std::span(grid).subspan(e * per, per)));
+    out.push_back(
+        encode_planes({shape.format, shape.rows, shape.cols}, std::span(grid).subspan(e * per, per)));
   return out;
 }
 
@@ -171,20 +172,23 @@ int main(int argc, char** argv) {
       MoeWeights w = p == "planes" ? planes_path() : native_path();
       ck(cudaDeviceSynchronize(), "sync");
       ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-      if (r + 1 == reps) (p == "planes" ? last_planes : last_native) = std::make_unique<MoeWeights>(std::move(w));
+      if (r + 1 == reps)
+        (p == "planes" ? last_planes : last_native) = std::make_unique<MoeWeights>(std::move(w));
     }
     std::sort(ms.begin(), ms.end());
     const double med = ms[ms.size() / 2], rss = peak_rss_mib() - rss0;
-    std::printf("  %-6s: prepare %8.1f ms (median of %d, min %.1f), peak host RSS +%.1f MiB, resident CSF %.1f MiB\n",
-                p.c_str(), med, reps, ms.front(), rss,
-                (p == "planes" ? last_planes : last_native)->resident_scale_bytes() / 1048576.0);
+    std::printf(
+        "  %-6s: prepare %8.1f ms (median of %d, min %.1f), peak host RSS +%.1f MiB, resident CSF %.1f MiB\n",
+        p.c_str(), med, reps, ms.front(), rss,
+        (p == "planes" ? last_planes : last_native)->resident_scale_bytes() / 1048576.0);
     if (out)
       std::fprintf(out,
                    "{\"bench\":\"prepare\",\"shape\":\"%s\",\"format\":\"%s\",\"path\":\"%s\",\"experts\":%u,"
                    "\"prepare_ms\":%.2f,\"prepare_min_ms\":%.2f,\"reps\":%d,\"peak_rss_delta_mib\":%.1f,"
                    "\"stored_plane_bytes\":%llu,\"native_scale_bytes\":%llu}\n",
-                   std::string(mg.name).c_str(), format_name.c_str(), p.c_str(), g.experts, med, ms.front(), reps,
-                   rss, static_cast<unsigned long long>(stored), static_cast<unsigned long long>(native_bytes));
+                   std::string(mg.name).c_str(), format_name.c_str(), p.c_str(), g.experts, med, ms.front(),
+                   reps, rss, static_cast<unsigned long long>(stored),
+                   static_cast<unsigned long long>(native_bytes));
   }
   if (last_native && last_planes) {
     const auto same_parts = [](const DeviceCsfTensor& a, const DeviceCsfTensor& b) {

@@ -209,7 +209,8 @@ TEST(PlanesToDevice, EqualsTheHostTranscodePartForPart) {
         GridShape sw = rm;
         sw.layout = ScaleLayout::swizzled_128x4;
         const CsfTensor enc = encode(sw, relayout_scales(rm, native, ScaleLayout::swizzled_128x4));
-        const DeviceCsfTensor got_sw = planes_to_device(planes, ScaleLayout::swizzled_128x4, 0, stream, "w13");
+        const DeviceCsfTensor got_sw =
+            planes_to_device(planes, ScaleLayout::swizzled_128x4, 0, stream, "w13");
         expect_same_parts(got_sw.download(), enc);
       }
     }
@@ -238,8 +239,7 @@ TEST(PrepareFromPlanes, LayerEqualsTheOnePreparedFromNativeScales) {
       std::vector<CsfPlanes> out;
       const std::size_t per = std::size_t{shape.rows} * shape.cols;
       for (std::uint32_t e = 0; e < shape.experts; ++e)
-        out.push_back(encode_planes({f, shape.rows, shape.cols},
-                                    std::span(scales).subspan(e * per, per)));
+        out.push_back(encode_planes({f, shape.rows, shape.cols}, std::span(scales).subspan(e * per, per)));
       return out;
     };
     const std::vector<CsfPlanes> p13 = planes_of(hw.w13_scales, plan.w13_scales),

@@ -18,7 +18,8 @@ inline void check_device(int device, const char* who) {
   int count = 0;
   CSFMOE_CUDA_CHECK(cudaGetDeviceCount(&count));
   if (device < 0 || device >= count)
-    throw InvalidArgument(cuda_detail::strf("{}: device {} does not exist ({} CUDA devices)", who, device, count));
+    throw InvalidArgument(
+        cuda_detail::strf("{}: device {} does not exist ({} CUDA devices)", who, device, count));
 }
 }  // namespace codec_detail
 
@@ -51,8 +52,9 @@ struct DeviceCsfTensor::Storage {
   static T* alloc(std::uint64_t count, const char* what) {
     if (count == 0) return nullptr;
     void* p = nullptr;
-    CSFMOE_CUDA_CHECK_WHAT(cudaMalloc(&p, count * sizeof(T)),
-                           cuda_detail::strf("CSF device tensor: cudaMalloc of {} bytes for {}", count * sizeof(T), what));
+    CSFMOE_CUDA_CHECK_WHAT(
+        cudaMalloc(&p, count * sizeof(T)),
+        cuda_detail::strf("CSF device tensor: cudaMalloc of {} bytes for {}", count * sizeof(T), what));
     return static_cast<T*>(p);
   }
 };

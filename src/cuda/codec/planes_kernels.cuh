@@ -28,8 +28,8 @@ struct PlanesParams {
   u8* fixed = nullptr;  // the resident fixed part, zeroed before (padding rows and columns stay 0)
   csf::LayoutView layout;
   u32 experts = 0, rows = 0, cols = 0;
-  u32* records = nullptr;              // all experts' records: plane positions in, resident out
-  const u32* record_start = nullptr;   // E + 1 entries: each expert's first record, then the total
+  u32* records = nullptr;             // all experts' records: plane positions in, resident out
+  const u32* record_start = nullptr;  // E + 1 entries: each expert's first record, then the total
 };
 
 template <class F>

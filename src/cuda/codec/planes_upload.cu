@@ -45,7 +45,8 @@ bool in_encoder_form(const CsfPlanes& p) {
 }
 
 unsigned grid_for(u64 n) {
-  return static_cast<unsigned>(std::clamp<u64>((n + gpu::planes::kThreads - 1) / gpu::planes::kThreads, 1, 8192));
+  return static_cast<unsigned>(
+      std::clamp<u64>((n + gpu::planes::kThreads - 1) / gpu::planes::kThreads, 1, 8192));
 }
 
 template <class T>
@@ -89,9 +90,10 @@ DeviceCsfTensor planes_to_device(std::span<const CsfPlanes> experts, ScaleLayout
     total += (canonical[e] ? *canonical[e] : experts[e]).exceptions.size();
   }
   if (total > std::numeric_limits<u32>::max())
-    throw Unsupported(msg("{}: CSF planes to device: grid {} has {} exceptions, more than the 32-bit record "
-                          "index allows (4294967295)",
-                          name, to_string(g.shape), total));
+    throw Unsupported(
+        msg("{}: CSF planes to device: grid {} has {} exceptions, more than the 32-bit record "
+            "index allows (4294967295)",
+            name, to_string(g.shape), total));
   record_start[E] = static_cast<u32>(total);
   codec_detail::check_device(device, "CSF planes_to_device");
   DeviceGuard guard(device);
@@ -122,7 +124,8 @@ DeviceCsfTensor planes_to_device(std::span<const CsfPlanes> experts, ScaleLayout
       CSFMOE_CUDA_CHECK(cudaMemcpyAsync(st->exceptions + record_start[e], p.exceptions.data(),
                                         p.exceptions.size() * 4, cudaMemcpyHostToDevice, stream));
   }
-  CSFMOE_CUDA_CHECK(cudaMemcpyAsync(starts, record_start.data(), (E + 1) * 4, cudaMemcpyHostToDevice, stream));
+  CSFMOE_CUDA_CHECK(
+      cudaMemcpyAsync(starts, record_start.data(), (E + 1) * 4, cudaMemcpyHostToDevice, stream));
 
   // ---- build the resident parts
   gpu::planes::PlanesParams p;

@@ -141,14 +141,15 @@ void check_planes(const MoePlan& plan, const MoeDeviceWeights& w, const MoeCsfPl
         "prepare_weights: the scales come as CSF planes; weights.w13_scales / w2_scales must be null");
   const auto check = [&](std::span<const CsfPlanes> experts, const GridShape& need, const char* what) {
     if (experts.size() != need.experts)
-      throw InvalidArgument(fmt::format("prepare_weights: {} scale planes hold {} experts, the plan has {}", what,
-                                        experts.size(), need.experts));
+      throw InvalidArgument(fmt::format("prepare_weights: {} scale planes hold {} experts, the plan has {}",
+                                        what, experts.size(), need.experts));
     const PlaneShape shape{need.format, need.rows, need.cols};
     for (std::size_t e = 0; e < experts.size(); ++e)
       if (experts[e].shape != shape)
-        throw InvalidArgument(fmt::format("prepare_weights: {} scale planes of expert {} hold grid {}, the plan "
-                                          "needs {}",
-                                          what, e, to_string(experts[e].shape), to_string(shape)));
+        throw InvalidArgument(
+            fmt::format("prepare_weights: {} scale planes of expert {} hold grid {}, the plan "
+                        "needs {}",
+                        what, e, to_string(experts[e].shape), to_string(shape)));
   };
   check(planes.w13, plan.w13_scales, "w13");
   check(planes.w2, plan.w2_scales, "w2");
