@@ -49,6 +49,7 @@ struct MoeDeviceWeights {
 ScratchSizes moe_scale_scratch_bytes(const MoePlan& plan);
 
 struct MoeCsfPlanes;
+struct MoeCsfTensors;
 
 // A layer ready to run: the caller's packed weights (referenced, not copied)
 // and either its native scales (referenced) or device-resident CSF copies.
@@ -85,7 +86,7 @@ class MoeWeights {
 
  private:
   friend MoeWeights prepare_layer(const MoePlan&, const MoeDeviceWeights&, const MoeCsfPlanes*,
-                                  const ScaleScratch*, cudaStream_t);
+                                  const MoeCsfTensors*, const ScaleScratch*, cudaStream_t);
   MoePlan plan_;
   MoeDeviceWeights src_;
   DeviceCsfTensor w13_csf_, w2_csf_;
@@ -121,6 +122,23 @@ struct MoeCsfPlanes {
 // the plan's; FormatError (naming the tensor and expert) for malformed
 // planes; then as the overload above.
 MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeCsfPlanes& scales,
+                           const ScaleScratch* scale_scratch, cudaStream_t stream);
+
+// A CSF layer's block scales already in csfmoe's resident form on the host
+// (CsfTensor: a container's CheckpointFile::csf_parts, Python's CsfScales),
+// grids in the plan's scale_layout.
+struct MoeCsfTensors {
+  const CsfTensor* w13 = nullptr;
+  const CsfTensor* w2 = nullptr;
+};
+
+// prepare_weights for a layer of compression csf whose scales come as
+// resident host parts (weights.w13_scales / w2_scales null): uploaded as
+// they are (DeviceCsfTensor::upload validates them first), no decode, no
+// re-encode. InvalidArgument before any device work when the plan is not
+// csf, native scale pointers are given, a tensor is missing or its grid is
+// not the plan's; FormatError for malformed parts.
+MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeCsfTensors& scales,
                            const ScaleScratch* scale_scratch, cudaStream_t stream);
 
 // Rebuild all experts' scales of a CSF layer into its scratch on `stream`

@@ -164,6 +164,13 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 _LAYERS = weakref.WeakValueDictionary()
 
 
+def _host_csf_tensor(scales: CsfScales):
+    """The parts of `scales` as one host object the CUDA layer uploads as
+    they are (compressed bytes; copied to the host first if on a device)."""
+    host = [t.cpu() for t in scales.parts]
+    return _C.host_csf_tensor(*host, scales.format, scales.layout, scales.experts, scales.rows, scales.cols)
+
+
 class PreparedExperts:
     """A layer's experts made ready for repeated calls (plan -> prepare -> bind).
 
@@ -212,11 +219,23 @@ class PreparedExperts:
         if dev.type == "cuda":
             if not getattr(_C, "has_moe_cuda", False):
                 raise Unsupported("PreparedExperts on CUDA: this csfmoe build has no CUDA MoE kernels")
-            # The device path encodes native scales itself.
-            w13_scale = w13_scale.expand(scale_layout) if isinstance(w13_scale, CsfScales) else w13_scale
-            w2_scale = w2_scale.expand(scale_layout) if isinstance(w2_scale, CsfScales) else w2_scale
-            for name, t in (("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale),
-                            ("w13_global", self.w13_global), ("w2_global", self.w2_global)):
+            # A CSF layer given CsfScales in its scale layout keeps them as
+            # they are: their parts go to the device without decoding (the
+            # layer validates them). Otherwise the device encodes native
+            # scales itself.
+            csf_parts = (compression == "csf" and isinstance(w13_scale, CsfScales)
+                         and isinstance(w2_scale, CsfScales) and w13_scale.layout == scale_layout
+                         and w2_scale.layout == scale_layout)
+            if csf_parts:
+                s13_arg, s2_arg = _host_csf_tensor(w13_scale), _host_csf_tensor(w2_scale)
+                checked = (("w2", w2), ("w13_global", self.w13_global), ("w2_global", self.w2_global))
+            else:
+                w13_scale = w13_scale.expand(scale_layout) if isinstance(w13_scale, CsfScales) else w13_scale
+                w2_scale = w2_scale.expand(scale_layout) if isinstance(w2_scale, CsfScales) else w2_scale
+                s13_arg, s2_arg = ops._u8(w13_scale), ops._u8(w2_scale)
+                checked = (("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale),
+                           ("w13_global", self.w13_global), ("w2_global", self.w2_global))
+            for name, t in checked:
                 if t.device != dev:
                     raise InvalidArgument(f"{name}: on {t.device}, w13 is on {dev}")
             mx = format == "mxfp4"
@@ -232,8 +251,8 @@ class PreparedExperts:
             self._keep = (w13_scale, w2_scale)
             self._layer = _C.CudaMoeLayer(
                 format, e, self.hidden, self.intermediate, topk, order, compression, max_tokens,
-                stage_read_max_tokens, scale_layout, w13, ops._u8(w13_scale), None if mx else self.w13_global, w2,
-                ops._u8(w2_scale), None if mx else self.w2_global, s13, s2, scales_expanded, force_mode,
+                stage_read_max_tokens, scale_layout, w13, s13_arg, None if mx else self.w13_global, w2,
+                s2_arg, None if mx else self.w2_global, s13, s2, scales_expanded, force_mode,
                 ops._stream(dev), activation, self.alpha, self.limit, w13_bias, w2_bias)
             # Allocated here, outside any capture: a workspace allocated while
             # a graph is recorded would belong to the graph's memory pool.

@@ -71,6 +71,19 @@ CodecOptions opts(std::int64_t threads) {
 }  // namespace
 
 void bind_codec(nb::module_& m) {
+  // A host copy of a CsfScales' parts, handed to the CUDA MoE layer as it is
+  // (uploaded there, not decoded); validated where it is used.
+  nb::class_<CsfTensor>(m, "HostCsfTensor");
+  m.def(
+      "host_csf_tensor",
+      [](Array fixed, Array exceptions, Array row_prefix, Array partition_index, const std::string& format,
+         const std::string& src_layout, std::int64_t e, std::int64_t r, std::int64_t c) {
+        return tensor_from_parts(grid_arg(format, src_layout, e, r, c), fixed, exceptions, row_prefix,
+                                 partition_index);
+      },
+      nb::arg("fixed"), nb::arg("exceptions"), nb::arg("row_prefix"), nb::arg("partition_index"),
+      nb::arg("format"), nb::arg("src_layout"), nb::arg("experts"), nb::arg("rows"), nb::arg("cols"));
+
   m.def(
       "geometry",
       [](const std::string& format, const std::string& layout, std::int64_t e, std::int64_t r,

@@ -42,11 +42,12 @@ struct CudaLayer {
 
   CudaLayer(const std::string& format, std::int64_t e, std::int64_t h, std::int64_t n, std::int64_t k,
             const std::string& order, const std::string& compression, std::int64_t max_tokens,
-            std::int64_t stage_read_max_tokens, const std::string& scale_layout, Array w13, Array w13_scale,
-            std::optional<Array> w13_global, Array w2, Array w2_scale, std::optional<Array> w2_global,
-            std::optional<Array> scratch_w13, std::optional<Array> scratch_w2, bool expanded,
-            const std::string& force_mode, std::uintptr_t stream, const std::string& activation, double alpha,
-            double limit, std::optional<Array> w13_bias, std::optional<Array> w2_bias) {
+            std::int64_t stage_read_max_tokens, const std::string& scale_layout, Array w13,
+            nb::object w13_scale, std::optional<Array> w13_global, Array w2, nb::object w2_scale,
+            std::optional<Array> w2_global, std::optional<Array> scratch_w13, std::optional<Array> scratch_w2,
+            bool expanded, const std::string& force_mode, std::uintptr_t stream,
+            const std::string& activation, double alpha, double limit, std::optional<Array> w13_bias,
+            std::optional<Array> w2_bias) {
     MoeLayerGeometry g;
     g.experts = static_cast<std::uint32_t>(e);
     g.hidden = static_cast<std::uint32_t>(h);
@@ -68,8 +69,16 @@ struct CudaLayer {
     dw.device = device;
     dw.w13 = dptr(w13, "w13", plan.w13_bytes, device);
     dw.w2 = dptr(w2, "w2", plan.w2_bytes, device);
-    dw.w13_scales = dptr(w13_scale, "w13_scale", plan.w13_scale_bytes, device);
-    dw.w2_scales = dptr(w2_scale, "w2_scale", plan.w2_scale_bytes, device);
+    // Native device scales (Array), or a CSF layer's resident parts on the
+    // host (HostCsfTensor), uploaded as they are.
+    const CsfTensor* csf13 = nullptr;
+    const CsfTensor* csf2 = nullptr;
+    if (nb::try_cast(w13_scale, csf13) != nb::try_cast(w2_scale, csf2))
+      throw InvalidArgument("w13_scale and w2_scale: both native tensors or both CSF parts");
+    if (!csf13) {
+      dw.w13_scales = dptr(nb::cast<Array>(w13_scale), "w13_scale", plan.w13_scale_bytes, device);
+      dw.w2_scales = dptr(nb::cast<Array>(w2_scale), "w2_scale", plan.w2_scale_bytes, device);
+    }
     if (w13_global)
       dw.w13_global =
           reinterpret_cast<const float*>(dptr(*w13_global, "w13_global", 4ull * g.experts, device, 4));
@@ -92,8 +101,10 @@ struct CudaLayer {
     scales_expanded = expanded;
     if (!force_mode.empty()) options.force_mode = parse_moe_scale_mode(force_mode);
     nb::gil_scoped_release nogil;
-    weights =
-        prepare_weights(plan, dw, scratch ? &*scratch : nullptr, reinterpret_cast<cudaStream_t>(stream));
+    const ScaleScratch* sp = scratch ? &*scratch : nullptr;
+    const auto st = reinterpret_cast<cudaStream_t>(stream);
+    weights = csf13 ? prepare_weights(plan, dw, MoeCsfTensors{csf13, csf2}, sp, st)
+                    : prepare_weights(plan, dw, sp, st);
   }
 
   std::uint64_t workspace_bytes(std::int64_t max_tokens) const {
@@ -158,7 +169,7 @@ void bind_moe_cuda(nb::module_& m) {
   nb::class_<CudaLayer>(m, "CudaMoeLayer")
       .def(nb::init<const std::string&, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
                     const std::string&, const std::string&, std::int64_t, std::int64_t, const std::string&,
-                    Array, Array, std::optional<Array>, Array, Array, std::optional<Array>,
+                    Array, nb::object, std::optional<Array>, Array, nb::object, std::optional<Array>,
                     std::optional<Array>, std::optional<Array>, bool, const std::string&, std::uintptr_t,
                     const std::string&, double, double, std::optional<Array>, std::optional<Array>>())
       .def("workspace_bytes", &CudaLayer::workspace_bytes)

@@ -38,6 +38,29 @@ def test_fused_moe_matches_torch(gen, fmt, compression):
     assert err < TOL, err
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+def test_csf_scales_prepared_as_they_are(gen, fmt, where):
+    """CsfScales handed to a CSF layer are uploaded as they are (no decode,
+    no re-encode): the same resident bytes and bitwise the same outputs as
+    the layer that encodes the native scales on the device."""
+    e, h, n, k = 8, 256, 128, 2
+    L = layer(gen, fmt, e, h, n)
+    dev = cuda_layer(L)
+    csf = {key: csfmoe.compress_scales(L[key], fmt).to(where) for key in ("w13_scale", "w2_scale")}
+    native = csfmoe.prepare_experts(dev, topk=k, format=fmt, compression="csf", max_tokens=64)
+    given = csfmoe.prepare_experts({**dev, **csf}, topk=k, format=fmt, compression="csf", max_tokens=64)
+    assert given.resident_scale_bytes() == native.resident_scale_bytes()
+    for t in (1, 5, 64):
+        hidden = torch.randn(t, h, generator=gen).to(torch.bfloat16).cuda()
+        ids, wts = routing(gen, t, k, e)
+        ids, wts = ids.cuda(), wts.cuda()
+        assert torch.equal(given(hidden, ids, wts), native(hidden, ids, wts))
+    bad = csfmoe.compress_scales(L["w2_scale"][:4], fmt)  # 4 experts for a layer of 8
+    with pytest.raises(csfmoe.InvalidArgument, match="w2 CSF tensor has grid"):
+        csfmoe.prepare_experts({**dev, **csf, "w2_scale": bad}, topk=k, format=fmt, compression="csf")
+
+
 @pytest.mark.parametrize("fmt,order", [("nvfp4", "w13"), ("mxfp4", "w31")])
 def test_gpt_oss_with_biases_matches_torch_in_every_mode(gen, fmt, order):
     """gpt-oss's clamped SwiGLU and expert biases in the kernels' epilogue and

@@ -1,5 +1,6 @@
 // CSF planes straight to the device (planes_to_device) and MoE layers
-// prepared from planes (prepare_weights with MoeCsfPlanes): the resident
+// prepared from planes or resident host parts (prepare_weights with
+// MoeCsfPlanes / MoeCsfTensors): the resident
 // parts built on the GPU equal the host transcode (planes_to_csf) part for
 // part, on fresh random grids with records that win over their slot. The
 // checks that need no device run everywhere; the rest skip without a GPU.
@@ -169,6 +170,39 @@ TEST(PrepareFromPlanes, RefusesMismatchedPlanesBeforeAnyDeviceWork) {
   refuses(plan_weights(ScaleFormat::nvfp4, g, none), d, {w13, w2}, "compression csf");
 }
 
+TEST(PrepareFromPlanes, RefusesMismatchedResidentTensorsBeforeAnyDeviceWork) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  MoeLayerGeometry g;
+  g.experts = 3;
+  g.hidden = 128;
+  g.intermediate = 64;
+  g.topk = 2;
+  MoeConstraints c;
+  c.compression = ScaleCompression::csf;
+  const MoePlan plan = plan_weights(ScaleFormat::nvfp4, g, c);
+  const CsfTensor t13 = planes_to_csf(random_planes(rng, {ScaleFormat::nvfp4, 128, 8}, 3, false), "w13");
+  const CsfTensor t2 = planes_to_csf(random_planes(rng, {ScaleFormat::nvfp4, 128, 4}, 3, false), "w2");
+  const CsfTensor t2_short = planes_to_csf(random_planes(rng, {ScaleFormat::nvfp4, 128, 4}, 2, false), "w2");
+  const MoeDeviceWeights d;
+  const auto refuses = [&](const MoePlan& pl, const MoeDeviceWeights& dw, const MoeCsfTensors& sc,
+                           const char* needle) {
+    try {
+      (void)prepare_weights(pl, dw, sc, nullptr, nullptr);
+      ADD_FAILURE() << "accepted; expected an error naming " << needle;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refuses(plan, d, {&t13, nullptr}, "w2 CSF tensor is null");
+  refuses(plan, d, {&t13, &t2_short}, "w2 CSF tensor has grid");
+  refuses(plan, d, {&t2, &t13}, "w13 CSF tensor has grid");
+  MoeDeviceWeights with_native = d;
+  with_native.w2_scales = reinterpret_cast<const std::uint8_t*>(16);
+  refuses(plan, with_native, {&t13, &t2}, "must be null");
+  refuses(plan_weights(ScaleFormat::nvfp4, g, MoeConstraints{}), d, {&t13, &t2}, "compression csf");
+}
+
 // --------------------------------------------------------------- on the device
 
 TEST(PlanesToDevice, EqualsTheHostTranscodePartForPart) {
@@ -264,11 +298,15 @@ TEST(PrepareFromPlanes, LayerEqualsTheOnePreparedFromNativeScales) {
     native.w2_scales = static_cast<const std::uint8_t*>(up(hw.w2_scales));
     const MoeWeights from_native = prepare_weights(plan, native, nullptr, stream);
     const MoeWeights from_planes = prepare_weights(plan, dw, MoeCsfPlanes{p13, p2}, nullptr, stream);
-    expect_same_parts(from_planes.w13_csf().download(), from_native.w13_csf().download());
-    expect_same_parts(from_planes.w2_csf().download(), from_native.w2_csf().download());
-    EXPECT_EQ(from_planes.resident_scale_bytes(), from_native.resident_scale_bytes());
-    EXPECT_EQ(from_planes.stage_read_index_bytes(), from_native.stage_read_index_bytes());
-    EXPECT_EQ(from_planes.source().w13_scales, nullptr);
+    const CsfTensor t13 = planes_to_csf(p13, "w13"), t2 = planes_to_csf(p2, "w2");
+    const MoeWeights from_tensors = prepare_weights(plan, dw, MoeCsfTensors{&t13, &t2}, nullptr, stream);
+    for (const MoeWeights* w : {&from_planes, &from_tensors}) {
+      expect_same_parts(w->w13_csf().download(), from_native.w13_csf().download());
+      expect_same_parts(w->w2_csf().download(), from_native.w2_csf().download());
+      EXPECT_EQ(w->resident_scale_bytes(), from_native.resident_scale_bytes());
+      EXPECT_EQ(w->stage_read_index_bytes(), from_native.stage_read_index_bytes());
+      EXPECT_EQ(w->source().w13_scales, nullptr);
+    }
   }
   check(cudaStreamDestroy(stream), "stream destroy");
 }

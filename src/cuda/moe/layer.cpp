@@ -132,13 +132,20 @@ moe_detail::StageReadIndex host_stage_read_index(const DeviceCsfTensor& t,
   return moe_detail::build_stage_read_index(v.geometry, rows, records, prefix);
 }
 
+// Scales given as CSF parts (planes or resident tensors): a csf plan and no
+// native scale pointers.
+void check_csf_given(const MoePlan& plan, const MoeDeviceWeights& w, const char* what) {
+  if (plan.constraints.compression != ScaleCompression::csf)
+    throw InvalidArgument(
+        fmt::format("prepare_weights: scales given as {} need a plan of compression csf", what));
+  if (w.w13_scales || w.w2_scales)
+    throw InvalidArgument(fmt::format(
+        "prepare_weights: the scales come as {}; weights.w13_scales / w2_scales must be null", what));
+}
+
 // The checks of a layer's scales given as planes that need no device.
 void check_planes(const MoePlan& plan, const MoeDeviceWeights& w, const MoeCsfPlanes& planes) {
-  if (plan.constraints.compression != ScaleCompression::csf)
-    throw InvalidArgument("prepare_weights: scales given as CSF planes need a plan of compression csf");
-  if (w.w13_scales || w.w2_scales)
-    throw InvalidArgument(
-        "prepare_weights: the scales come as CSF planes; weights.w13_scales / w2_scales must be null");
+  check_csf_given(plan, w, "CSF planes");
   const auto check = [&](std::span<const CsfPlanes> experts, const GridShape& need, const char* what) {
     if (experts.size() != need.experts)
       throw InvalidArgument(fmt::format("prepare_weights: {} scale planes hold {} experts, the plan has {}",
@@ -155,11 +162,25 @@ void check_planes(const MoePlan& plan, const MoeDeviceWeights& w, const MoeCsfPl
   check(planes.w2, plan.w2_scales, "w2");
 }
 
+// The same for resident host tensors (their parts are validated by upload).
+void check_tensors(const MoePlan& plan, const MoeDeviceWeights& w, const MoeCsfTensors& tensors) {
+  check_csf_given(plan, w, "CSF tensors");
+  const auto check = [&](const CsfTensor* t, const GridShape& need, const char* what) {
+    if (t == nullptr) throw InvalidArgument(fmt::format("prepare_weights: the {} CSF tensor is null", what));
+    if (t->geometry.shape != need)
+      throw InvalidArgument(fmt::format("prepare_weights: the {} CSF tensor has grid {}, the plan needs {}",
+                                        what, to_string(t->geometry.shape), to_string(need)));
+  };
+  check(tensors.w13, plan.w13_scales, "w13");
+  check(tensors.w2, plan.w2_scales, "w2");
+}
+
 }  // namespace
 
 MoeWeights prepare_layer(const MoePlan& plan, const MoeDeviceWeights& w, const MoeCsfPlanes* planes,
-                         const ScaleScratch* scratch, cudaStream_t stream) {
+                         const MoeCsfTensors* tensors, const ScaleScratch* scratch, cudaStream_t stream) {
   if (planes) check_planes(plan, w, *planes);
+  if (tensors) check_tensors(plan, w, *tensors);
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     (void)cudaGetLastError();
@@ -172,7 +193,7 @@ MoeWeights prepare_layer(const MoePlan& plan, const MoeDeviceWeights& w, const M
   const bool csf = plan.constraints.compression == ScaleCompression::csf;
   check_pointer(w.w13, "prepare_weights: weights.w13", w.device, 16);
   check_pointer(w.w2, "prepare_weights: weights.w2", w.device, 16);
-  if (!planes) {
+  if (!planes && !tensors) {
     check_pointer(w.w13_scales, "prepare_weights: weights.w13_scales", w.device, csf ? 1 : 16);
     check_pointer(w.w2_scales, "prepare_weights: weights.w2_scales", w.device, csf ? 1 : 16);
   }
@@ -214,6 +235,9 @@ MoeWeights prepare_layer(const MoePlan& plan, const MoeDeviceWeights& w, const M
     const ScaleLayout layout = plan.constraints.scale_layout;
     out.w13_csf_ = planes_to_device(planes->w13, layout, w.device, stream, "w13 scales");
     out.w2_csf_ = planes_to_device(planes->w2, layout, w.device, stream, "w2 scales");
+  } else if (tensors) {
+    out.w13_csf_ = DeviceCsfTensor::upload(*tensors->w13, w.device);
+    out.w2_csf_ = DeviceCsfTensor::upload(*tensors->w2, w.device);
   } else if (csf) {
     out.w13_csf_ = encode_on_device(plan.w13_scales, w.w13_scales, w.device, stream);
     out.w2_csf_ = encode_on_device(plan.w2_scales, w.w2_scales, w.device, stream);
@@ -268,12 +292,17 @@ MoeWeights prepare_layer(const MoePlan& plan, const MoeDeviceWeights& w, const M
 
 MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const ScaleScratch* scratch,
                            cudaStream_t stream) {
-  return prepare_layer(plan, w, nullptr, scratch, stream);
+  return prepare_layer(plan, w, nullptr, nullptr, scratch, stream);
 }
 
 MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const MoeCsfPlanes& scales,
                            const ScaleScratch* scratch, cudaStream_t stream) {
-  return prepare_layer(plan, w, &scales, scratch, stream);
+  return prepare_layer(plan, w, &scales, nullptr, scratch, stream);
+}
+
+MoeWeights prepare_weights(const MoePlan& plan, const MoeDeviceWeights& w, const MoeCsfTensors& scales,
+                           const ScaleScratch* scratch, cudaStream_t stream) {
+  return prepare_layer(plan, w, nullptr, &scales, scratch, stream);
 }
 
 void expand_scales(const MoeWeights& w, cudaStream_t stream, const ExpandLaunch& launch) {
