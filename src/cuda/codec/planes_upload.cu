@@ -49,12 +49,23 @@ unsigned grid_for(u64 n) {
       std::clamp<u64>((n + gpu::planes::kThreads - 1) / gpu::planes::kThreads, 1, 8192));
 }
 
+// A stream-ordered temporary, freed on the stream when it goes out of scope
+// (also when a later step throws).
 template <class T>
-T* alloc_async(u64 count, cudaStream_t stream) {
-  void* p = nullptr;
-  CSFMOE_CUDA_CHECK(cudaMallocAsync(&p, std::max<u64>(count * sizeof(T), 16), stream));
-  return static_cast<T*>(p);
-}
+class AsyncBuffer {
+ public:
+  AsyncBuffer(u64 count, cudaStream_t stream) : stream_(stream) {
+    CSFMOE_CUDA_CHECK(cudaMallocAsync(&p_, std::max<u64>(count * sizeof(T), 16), stream));
+  }
+  AsyncBuffer(const AsyncBuffer&) = delete;
+  AsyncBuffer& operator=(const AsyncBuffer&) = delete;
+  ~AsyncBuffer() { (void)cudaFreeAsync(p_, stream_); }
+  T* get() const { return static_cast<T*>(p_); }
+
+ private:
+  void* p_ = nullptr;
+  cudaStream_t stream_;
+};
 
 }  // namespace
 
@@ -111,8 +122,11 @@ DeviceCsfTensor planes_to_device(std::span<const CsfPlanes> experts, ScaleLayout
   const bool nv = s.format == ScaleFormat::nvfp4;
   // MXFP4 planes are the resident slabs byte for byte (no padded column):
   // they go straight into place. NVFP4 planes are staged for the kernel.
-  u8* staged = nv ? alloc_async<u8>(plane_bytes * E, stream) : nullptr;
-  u32* starts = alloc_async<u32>(E + 1, stream);
+  std::optional<AsyncBuffer<u8>> staging;
+  if (nv) staging.emplace(plane_bytes * E, stream);
+  u8* staged = staging ? staging->get() : nullptr;
+  const AsyncBuffer<u32> start_buffer(E + 1, stream);
+  u32* starts = start_buffer.get();
   CSFMOE_CUDA_CHECK(cudaMemsetAsync(st->fixed, 0, g.fixed_bytes(), stream));
   // Copies from pageable memory return once the source is staged, so the
   // host buffers may go when this returns; all work is ordered on `stream`.
@@ -153,8 +167,6 @@ DeviceCsfTensor planes_to_device(std::span<const CsfPlanes> experts, ScaleLayout
   gpu::planes::row_starts_kernel<<<grid_for(partition_entries), T, 0, stream>>>(
       p, st->partition_index, partition_entries, g.partition_rows);
   CSFMOE_CUDA_CHECK_LAUNCH("CSF planes_to_device: row_starts kernel launch (partition_index)");
-  if (staged) CSFMOE_CUDA_CHECK(cudaFreeAsync(staged, stream));
-  CSFMOE_CUDA_CHECK(cudaFreeAsync(starts, stream));
   CSFMOE_CUDA_CHECK(cudaEventCreateWithFlags(&st->ready, cudaEventDisableTiming));
   CSFMOE_CUDA_CHECK(cudaEventRecord(st->ready, stream));
 
