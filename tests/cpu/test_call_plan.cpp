@@ -402,9 +402,15 @@ TEST(CallPlan, ChunkedRoutingFromItsThreshold) {
     SCOPED_TRACE(m.name);
     const MoePlan native = plan_of(ScaleFormat::nvfp4, m.geometry, ScaleCompression::none);
     const std::uint32_t k = m.geometry.topk;
-    for (const std::uint32_t t : {1u, 128u, 129u, 4096u, kMaxT})
+    // By default every call of more than one chunk of 1024 slots.
+    for (const std::uint32_t t : {1u, 1024u / k})
       EXPECT_FALSE(plan_call(native, h200(), t, false, false, {}).routing_chunked) << t;
+    for (const std::uint32_t t : {1024u / k + 1, 4096u, kMaxT})
+      EXPECT_TRUE(plan_call(native, h200(), t, false, false, {}).routing_chunked) << t;
     MoeBindOptions o;
+    o.routing_chunked_min_slots = 0xFFFFFFFFu;  // always one block
+    for (const std::uint32_t t : {1u, 1024u / k + 1, 4096u, kMaxT})
+      EXPECT_FALSE(plan_call(native, h200(), t, false, false, o).routing_chunked) << t;
     o.routing_chunked_min_slots = 1;
     // 1024 slots are one chunk: one block whatever the option says.
     EXPECT_FALSE(plan_call(native, h200(), 1024 / k, false, false, o).routing_chunked);
