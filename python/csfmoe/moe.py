@@ -187,7 +187,9 @@ class PreparedExperts:
     compression "csf" keeps the block scales as CSF; with scales_expanded the
     call reads scratch that `expand_scales()` filled (share one scratch
     between layers with `scratch=(w13_scratch, w2_scratch)` and order reuse
-    with events). CPU weights run the float64 reference.
+    with events). CsfScales in the layer's scale_layout are uploaded as they
+    are (validated, never decoded); native scales, or CsfScales of another
+    layout, are encoded on the device. CPU weights run the float64 reference.
 
     activation "gpt_oss" runs gpt-oss's clamped SwiGLU (alpha, limit) with
     optional float32 expert biases w13_bias [E, 2N] (in w13's row order:
