@@ -85,6 +85,10 @@ void validate_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,
 // keeps resident is in this form (slice_planes, concat_planes and
 // planes_to_csf return it).
 CsfPlanes canonical_planes(const CsfPlanes& planes, std::string_view name);
+// Whether validated planes are already in that form (canonical_planes would
+// return them unchanged): no record on a non-zero code, none whose byte lies
+// in its row's window.
+bool in_encoder_form(const CsfPlanes& planes);
 
 // Validates, then writes the native grid (rows * cols bytes, byte-exact) to `native`.
 void decode_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,

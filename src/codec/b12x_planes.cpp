@@ -161,6 +161,16 @@ void validate_planes(const PlaneShape& s, std::span<const std::uint8_t> fixed,
   }
 }
 
+bool in_encoder_form(const CsfPlanes& planes) {
+  const csf::PlaneLayout L = plane_layout(planes.shape);
+  for (const u32 rec : planes.exceptions) {
+    const u32 pos = csf::record_position(rec), r = pos / L.cols, c = pos % L.cols;
+    const u8 d = static_cast<u8>(csf::record_value(rec) - planes.fixed[L.base_at(r)]);
+    if (L.code(planes.fixed.data() + L.codes_at(r), c) != 0 || d < L.window) return false;
+  }
+  return true;
+}
+
 CsfPlanes canonical_planes(const CsfPlanes& planes, std::string_view name) {
   validate_planes(planes.shape, planes.fixed, planes.exceptions, name);
   CsfPlanes out = planes;

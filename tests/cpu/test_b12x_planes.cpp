@@ -196,6 +196,7 @@ TEST(B12xPlanes, EncoderFollowsTheRulesAndRoundTrips) {
         EXPECT_TRUE(rule_decode(p) == native);
         EXPECT_NO_THROW(validate_planes(s, p.fixed, p.exceptions, "t"));
         EXPECT_TRUE(decode_planes(p, "t") == native);
+        EXPECT_TRUE(in_encoder_form(p));  // what the encoder writes
       }
   }
 }
@@ -353,6 +354,8 @@ TEST(B12xPlanes, TamperedPlanesAreRefused) {
       EXPECT_TRUE(decode_planes(p, name) == want);
       const CsfPlanes canon = canonical_planes(p, name);
       EXPECT_TRUE(decode_planes(canon, name) == want);
+      EXPECT_FALSE(in_encoder_form(p));  // the record wins over its slot
+      EXPECT_TRUE(in_encoder_form(canon));
       const CsfTensor t = planes_to_csf(std::vector<CsfPlanes>{p}, name);
       EXPECT_NO_THROW(validate(t));
       const CsfPlanes back = csf_to_planes(t, name).at(0);

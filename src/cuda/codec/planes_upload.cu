@@ -32,18 +32,6 @@ std::string msg(std::string_view f, const A&... a) {
   return cuda_detail::strf(f, a...);
 }
 
-// Whether validated planes are already in the encoder's form: no record on a
-// non-zero code, none whose byte lies in its row's window.
-bool in_encoder_form(const CsfPlanes& p) {
-  const csf::PlaneLayout L(p.shape.format, p.shape.rows, p.shape.cols);
-  for (const u32 rec : p.exceptions) {
-    const u32 pos = csf::record_position(rec), r = pos / L.cols, c = pos % L.cols;
-    const u8 d = static_cast<u8>(csf::record_value(rec) - p.fixed[L.base_at(r)]);
-    if (L.code(p.fixed.data() + L.codes_at(r), c) != 0 || d < L.window) return false;
-  }
-  return true;
-}
-
 unsigned grid_for(u64 n) {
   return static_cast<unsigned>(
       std::clamp<u64>((n + gpu::planes::kThreads - 1) / gpu::planes::kThreads, 1, 8192));
