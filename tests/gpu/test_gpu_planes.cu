@@ -300,6 +300,16 @@ TEST(PrepareFromPlanes, LayerEqualsTheOnePreparedFromNativeScales) {
     const MoeWeights from_planes = prepare_weights(plan, dw, MoeCsfPlanes{p13, p2}, nullptr, stream);
     const CsfTensor t13 = planes_to_csf(p13, "w13"), t2 = planes_to_csf(p2, "w2");
     const MoeWeights from_tensors = prepare_weights(plan, dw, MoeCsfTensors{&t13, &t2}, nullptr, stream);
+    {  // malformed resident parts: refused, naming the projection
+      CsfTensor broken = t2;
+      broken.row_prefix.back() += 1;  // a record count the records do not have
+      try {
+        (void)prepare_weights(plan, dw, MoeCsfTensors{&t13, &broken}, nullptr, stream);
+        ADD_FAILURE() << "malformed w2 parts accepted";
+      } catch (const FormatError& e) {
+        EXPECT_NE(std::string(e.what()).find("w2 scales"), std::string::npos) << e.what();
+      }
+    }
     for (const MoeWeights* w : {&from_planes, &from_tensors}) {
       expect_same_parts(w->w13_csf().download(), from_native.w13_csf().download());
       expect_same_parts(w->w2_csf().download(), from_native.w2_csf().download());

@@ -236,8 +236,16 @@ MoeWeights prepare_layer(const MoePlan& plan, const MoeDeviceWeights& w, const M
     out.w13_csf_ = planes_to_device(planes->w13, layout, w.device, stream, "w13 scales");
     out.w2_csf_ = planes_to_device(planes->w2, layout, w.device, stream, "w2 scales");
   } else if (tensors) {
-    out.w13_csf_ = DeviceCsfTensor::upload(*tensors->w13, w.device);
-    out.w2_csf_ = DeviceCsfTensor::upload(*tensors->w2, w.device);
+    // upload validates the parts; its errors get the projection's name.
+    const auto upload = [&](const CsfTensor& t, const char* what) {
+      try {
+        return DeviceCsfTensor::upload(t, w.device);
+      } catch (const FormatError& e) {
+        throw FormatError(fmt::format("prepare_weights: {} scales: {}", what, e.what()));
+      }
+    };
+    out.w13_csf_ = upload(*tensors->w13, "w13");
+    out.w2_csf_ = upload(*tensors->w2, "w2");
   } else if (csf) {
     out.w13_csf_ = encode_on_device(plan.w13_scales, w.w13_scales, w.device, stream);
     out.w2_csf_ = encode_on_device(plan.w2_scales, w.w2_scales, w.device, stream);
