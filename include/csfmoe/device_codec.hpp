@@ -54,6 +54,8 @@ class DeviceCsfTensor {
   struct Storage;
   std::shared_ptr<Storage> storage_;
   CsfDeviceView view_;
+  // The tensor that owns `st`, whose parts hold `records` records (internal).
+  static DeviceCsfTensor adopt(std::shared_ptr<Storage> st, const CsfGeometry& g, std::uint64_t records);
   friend DeviceCsfTensor encode_on_device(const GridShape&, const std::uint8_t*, int, cudaStream_t);
   friend DeviceCsfTensor planes_to_device(std::span<const CsfPlanes>, ScaleLayout, int, cudaStream_t,
                                           std::string_view);

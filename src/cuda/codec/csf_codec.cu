@@ -214,11 +214,7 @@ DeviceCsfTensor DeviceCsfTensor::upload(const CsfTensor& host, int device) {
       cudaMemcpy(st->row_prefix, host.row_prefix.data(), host.row_prefix.size() * 4, cudaMemcpyHostToDevice));
   CSFMOE_CUDA_CHECK(cudaMemcpy(st->partition_index, host.partition_index.data(),
                                host.partition_index.size() * 4, cudaMemcpyHostToDevice));
-  DeviceCsfTensor t;
-  t.view_ = {g,     st->fixed, st->exceptions, st->row_prefix, st->partition_index, host.exceptions.size(),
-             device};
-  t.storage_ = std::move(st);
-  return t;
+  return adopt(std::move(st), g, host.exceptions.size());
 }
 
 CsfTensor DeviceCsfTensor::download() const {
@@ -364,13 +360,8 @@ DeviceCsfTensor encode_on_device(const GridShape& shape, const std::uint8_t* d_s
     records_fn<<<static_cast<unsigned>(blocks), gpu::kThreads, 0, stream>>>(p);
     CSFMOE_CUDA_CHECK_LAUNCH("CSF encode_records kernel launch");
   }
-  CSFMOE_CUDA_CHECK(cudaEventCreateWithFlags(&st->ready, cudaEventDisableTiming));
-  CSFMOE_CUDA_CHECK(cudaEventRecord(st->ready, stream));
-
-  DeviceCsfTensor t;
-  t.view_ = {g, st->fixed, st->exceptions, st->row_prefix, st->partition_index, total_host, device};
-  t.storage_ = std::move(st);
-  return t;
+  st->mark_ready(stream);
+  return DeviceCsfTensor::adopt(std::move(st), g, total_host);
 }
 
 // ---------------------------------------------------------------------------

@@ -48,6 +48,11 @@ struct DeviceCsfTensor::Storage {
       // Destructors must not throw; the context is gone or the device is lost.
     }
   }
+  // Records `ready` on `stream` after the work that builds the parts.
+  void mark_ready(cudaStream_t stream) {
+    CSFMOE_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    CSFMOE_CUDA_CHECK(cudaEventRecord(ready, stream));
+  }
   template <class T>
   static T* alloc(std::uint64_t count, const char* what) {
     if (count == 0) return nullptr;
@@ -58,5 +63,13 @@ struct DeviceCsfTensor::Storage {
     return static_cast<T*>(p);
   }
 };
+
+inline DeviceCsfTensor DeviceCsfTensor::adopt(std::shared_ptr<Storage> st, const CsfGeometry& g,
+                                              std::uint64_t records) {
+  DeviceCsfTensor t;
+  t.view_ = {g, st->fixed, st->exceptions, st->row_prefix, st->partition_index, records, st->device};
+  t.storage_ = std::move(st);
+  return t;
+}
 
 }  // namespace csfmoe

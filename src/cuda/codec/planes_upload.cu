@@ -155,13 +155,8 @@ DeviceCsfTensor planes_to_device(std::span<const CsfPlanes> experts, ScaleLayout
   gpu::planes::row_starts_kernel<<<grid_for(partition_entries), T, 0, stream>>>(
       p, st->partition_index, partition_entries, g.partition_rows);
   CSFMOE_CUDA_CHECK_LAUNCH("CSF planes_to_device: row_starts kernel launch (partition_index)");
-  CSFMOE_CUDA_CHECK(cudaEventCreateWithFlags(&st->ready, cudaEventDisableTiming));
-  CSFMOE_CUDA_CHECK(cudaEventRecord(st->ready, stream));
-
-  DeviceCsfTensor t;
-  t.view_ = {g, st->fixed, st->exceptions, st->row_prefix, st->partition_index, total, device};
-  t.storage_ = std::move(st);
-  return t;
+  st->mark_ready(stream);
+  return DeviceCsfTensor::adopt(std::move(st), g, total);
 }
 
 }  // namespace csfmoe
