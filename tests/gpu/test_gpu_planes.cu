@@ -93,6 +93,34 @@ void expect_same_parts(const CsfTensor& got, const CsfTensor& want) {
   EXPECT_TRUE(got.partition_index == want.partition_index) << "partition_index differs";
 }
 
+// `call` must throw E with `needle` in its message.
+template <class E, class F>
+void expect_error(F&& call, const std::string& needle) {
+  try {
+    call();
+    ADD_FAILURE() << "accepted; expected an error naming " << needle;
+  } catch (const E& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+// The small layer of the refusal tests: 3 experts, H 128, N 64, top-2, so
+// w13 scales are [128, 8] and w2 scales [128, 4] per expert (NVFP4).
+MoeLayerGeometry small_geometry() {
+  MoeLayerGeometry g;
+  g.experts = 3;
+  g.hidden = 128;
+  g.intermediate = 64;
+  g.topk = 2;
+  return g;
+}
+
+MoePlan small_plan(ScaleCompression compression) {
+  MoeConstraints c;
+  c.compression = compression;
+  return plan_weights(ScaleFormat::nvfp4, small_geometry(), c);
+}
+
 // --------------------------------------------------------------- no device needed
 
 TEST(PlanesToDevice, RefusesBadPlanesBeforeAnyDeviceWork) {
@@ -105,22 +133,14 @@ TEST(PlanesToDevice, RefusesBadPlanesBeforeAnyDeviceWork) {
     auto bad = planes;
     bad[2].shape.cols = 10;
     bad[2].fixed.resize(plane_fixed_bytes(bad[2].shape));
-    try {
-      planes_to_device(bad, ScaleLayout::row_major, 0, nullptr, "w13");
-      ADD_FAILURE() << "differing grids accepted";
-    } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find("expert 2"), std::string::npos) << e.what();
-    }
+    expect_error<InvalidArgument>([&] { planes_to_device(bad, ScaleLayout::row_major, 0, nullptr, "w13"); },
+                                  "expert 2");
   }
   {
     auto bad = planes;
     bad[1].fixed.pop_back();  // truncated fixed plane
-    try {
-      planes_to_device(bad, ScaleLayout::row_major, 0, nullptr, "w13");
-      ADD_FAILURE() << "truncated plane accepted";
-    } catch (const FormatError& e) {
-      EXPECT_NE(std::string(e.what()).find("w13 expert 1"), std::string::npos) << e.what();
-    }
+    expect_error<FormatError>([&] { planes_to_device(bad, ScaleLayout::row_major, 0, nullptr, "w13"); },
+                              "w13 expert 1");
   }
   {
     auto bad = planes;
@@ -141,58 +161,33 @@ TEST(PlanesToDevice, RefusesBadPlanesBeforeAnyDeviceWork) {
 TEST(PrepareFromPlanes, RefusesMismatchedPlanesBeforeAnyDeviceWork) {
   CSFMOE_SEEDED(seed);
   std::mt19937_64 rng(seed);
-  MoeLayerGeometry g;
-  g.experts = 3;
-  g.hidden = 128;
-  g.intermediate = 64;
-  g.topk = 2;
-  MoeConstraints c;
-  c.compression = ScaleCompression::csf;
-  const MoePlan plan = plan_weights(ScaleFormat::nvfp4, g, c);
+  const MoePlan plan = small_plan(ScaleCompression::csf);
   std::vector<CsfPlanes> w13 = random_planes(rng, {ScaleFormat::nvfp4, 128, 8}, 3, false);
   std::vector<CsfPlanes> w2 = random_planes(rng, {ScaleFormat::nvfp4, 128, 4}, 3, false);
-  MoeDeviceWeights d;  // pointers are checked later, on the device
-  const auto refuses = [&](const MoePlan& pl, const MoeDeviceWeights& dw, const MoeCsfPlanes& sc,
-                           const char* needle) {
-    try {
-      (void)prepare_weights(pl, dw, sc, nullptr, nullptr);
-      ADD_FAILURE() << "accepted; expected an error naming " << needle;
-    } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
+  const MoeDeviceWeights d;  // pointers are checked later, on the device
+  const auto refuses = [](const MoePlan& pl, const MoeDeviceWeights& dw, const MoeCsfPlanes& sc,
+                          const char* needle) {
+    expect_error<InvalidArgument>([&] { (void)prepare_weights(pl, dw, sc, nullptr, nullptr); }, needle);
   };
   refuses(plan, d, {std::span(w13).first(2), w2}, "w13 scale planes hold 2 experts");
   refuses(plan, d, {w2, w13}, "w13 scale planes of expert 0 hold grid");
   MoeDeviceWeights with_native = d;
   with_native.w13_scales = reinterpret_cast<const std::uint8_t*>(16);
   refuses(plan, with_native, {w13, w2}, "must be null");
-  MoeConstraints none;
-  refuses(plan_weights(ScaleFormat::nvfp4, g, none), d, {w13, w2}, "compression csf");
+  refuses(small_plan(ScaleCompression::none), d, {w13, w2}, "compression csf");
 }
 
 TEST(PrepareFromPlanes, RefusesMismatchedResidentTensorsBeforeAnyDeviceWork) {
   CSFMOE_SEEDED(seed);
   std::mt19937_64 rng(seed);
-  MoeLayerGeometry g;
-  g.experts = 3;
-  g.hidden = 128;
-  g.intermediate = 64;
-  g.topk = 2;
-  MoeConstraints c;
-  c.compression = ScaleCompression::csf;
-  const MoePlan plan = plan_weights(ScaleFormat::nvfp4, g, c);
+  const MoePlan plan = small_plan(ScaleCompression::csf);
   const CsfTensor t13 = planes_to_csf(random_planes(rng, {ScaleFormat::nvfp4, 128, 8}, 3, false), "w13");
   const CsfTensor t2 = planes_to_csf(random_planes(rng, {ScaleFormat::nvfp4, 128, 4}, 3, false), "w2");
   const CsfTensor t2_short = planes_to_csf(random_planes(rng, {ScaleFormat::nvfp4, 128, 4}, 2, false), "w2");
   const MoeDeviceWeights d;
-  const auto refuses = [&](const MoePlan& pl, const MoeDeviceWeights& dw, const MoeCsfTensors& sc,
-                           const char* needle) {
-    try {
-      (void)prepare_weights(pl, dw, sc, nullptr, nullptr);
-      ADD_FAILURE() << "accepted; expected an error naming " << needle;
-    } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
+  const auto refuses = [](const MoePlan& pl, const MoeDeviceWeights& dw, const MoeCsfTensors& sc,
+                          const char* needle) {
+    expect_error<InvalidArgument>([&] { (void)prepare_weights(pl, dw, sc, nullptr, nullptr); }, needle);
   };
   refuses(plan, d, {&t13, nullptr}, "w2 CSF tensor is null");
   refuses(plan, d, {&t13, &t2_short}, "w2 CSF tensor has grid");
@@ -200,7 +195,7 @@ TEST(PrepareFromPlanes, RefusesMismatchedResidentTensorsBeforeAnyDeviceWork) {
   MoeDeviceWeights with_native = d;
   with_native.w2_scales = reinterpret_cast<const std::uint8_t*>(16);
   refuses(plan, with_native, {&t13, &t2}, "must be null");
-  refuses(plan_weights(ScaleFormat::nvfp4, g, MoeConstraints{}), d, {&t13, &t2}, "compression csf");
+  refuses(small_plan(ScaleCompression::none), d, {&t13, &t2}, "compression csf");
 }
 
 // --------------------------------------------------------------- on the device
@@ -303,12 +298,11 @@ TEST(PrepareFromPlanes, LayerEqualsTheOnePreparedFromNativeScales) {
     {  // malformed resident parts: refused, naming the projection
       CsfTensor broken = t2;
       broken.row_prefix.back() += 1;  // a record count the records do not have
-      try {
-        (void)prepare_weights(plan, dw, MoeCsfTensors{&t13, &broken}, nullptr, stream);
-        ADD_FAILURE() << "malformed w2 parts accepted";
-      } catch (const FormatError& e) {
-        EXPECT_NE(std::string(e.what()).find("w2 scales"), std::string::npos) << e.what();
-      }
+      expect_error<FormatError>(
+          [&] {
+            (void)prepare_weights(plan, dw, MoeCsfTensors{&t13, &broken}, nullptr, stream);
+          },
+          "w2 scales");
     }
     for (const MoeWeights* w : {&from_planes, &from_tensors}) {
       expect_same_parts(w->w13_csf().download(), from_native.w13_csf().download());
