@@ -105,8 +105,9 @@ TEST(Activation, SiluMulMatchesTheFormula) {
     }
 }
 
-// The kernels' instantiation: f32, with the expression the epilogue has always
-// used for SiLU (bitwise), and within f32 rounding of float64 for both.
+// The f32 instantiation on the host: the IEEE expression for SiLU (bitwise),
+// and within f32 rounding of float64 for both (the kernels' fast form is
+// checked against the float64 reference by the GPU MoE tests).
 TEST(Activation, FloatInstantiationTracksFloat64) {
   CSFMOE_SEEDED(seed);
   std::mt19937_64 rng(seed);

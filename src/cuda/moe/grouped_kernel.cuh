@@ -68,6 +68,18 @@ constexpr std::uint32_t kGroupedNoRow = 0xFFFFFFFFu;
 
 using decode_bits::prefill_permuted_column;
 
+// In a two-tile gate/up consumer, the second m64 tile's outputs are the
+// first's plus 32 (grouped_out_in_item, bit 5 clear in the first), which the
+// K permutation moves to bit 1: its act columns are the first's plus 2.
+constexpr std::uint32_t grouped_second_tile_act_step = 2;
+constexpr bool grouped_second_tile_act_step_holds() {
+  for (std::uint32_t k = 0; k < 256; ++k)
+    if ((k & 32u) == 0 && prefill_permuted_column(k + 32) != prefill_permuted_column(k) + grouped_second_tile_act_step)
+      return false;
+  return true;
+}
+static_assert(grouped_second_tile_act_step_holds());
+
 template <ScaleFormat F, ScaleKind K, Projection P, int NT>
 __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
     moe_grouped_kernel(const __grid_constant__ CUtensorMap wmap, GemmParams p) {
@@ -318,6 +330,11 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
       // would cost the 128-row tile registers beside its accumulators.
       const int el = lane_id_here(), eg = el / 4, et = el % 4;
       const int b = (eg & kPairBit) != 0 ? 1 : 0;
+      // gate/up: the act column the lane's pairs start at in its first m64
+      // tile; the second tile's outputs are 32 further, 2 further in act
+      // (grouped_second_tile_act_step).
+      const std::uint32_t act_col = prefill_permuted_column(
+          (first + grouped_out_in_item(GateUp, wg * kMT, wi, eg)) & ~std::uint32_t(kPairBit));
 #pragma unroll
       for (int j = 0; j < NT / 8; ++j) {
         const int slot = tile_slots[8 * j + 2 * et + b];
@@ -334,9 +351,8 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
                 b ? __floats2bfloat162_rn(theirs, mine) : __floats2bfloat162_rn(mine, theirs);
             // The pair's first column: the b = 0 lane's output, its K-permuted slot even.
             if (slot >= 0)
-              *reinterpret_cast<__nv_bfloat162*>(p.act + std::uint64_t(slot) * p.n +
-                                                 prefill_permuted_column(o & ~std::uint32_t(kPairBit))) =
-                  pair;
+              *reinterpret_cast<__nv_bfloat162*>(p.act + std::uint64_t(slot) * p.n + act_col +
+                                                 std::uint32_t(mt) * grouped_second_tile_act_step) = pair;
           } else {
             const __nv_bfloat162 sent = b ? __floats2bfloat162_rn(g0, h0) : __floats2bfloat162_rn(g1, h1);
             std::uint32_t bits = *reinterpret_cast<const std::uint32_t*>(&sent);
