@@ -178,10 +178,8 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) ring_row[c] = grouped_ring_row(GateUp, wg * kMT + c / 2, wi, g, c % 2);
 
-  std::uint32_t it = 0;
-  for (std::uint32_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const GroupedItem w = grouped_item(item, tiles, row_blocks, p.tile_group);
-    const int e = p.tile_expert[w.tile];
+  // The thread's scale reader of an item (pure arithmetic: no loads).
+  const auto scales_of = [&](const GroupedItem& w, int e) {
     const std::uint32_t first = GateUp ? w.row_block * 128 : w.row_block * kGroupedRows;
     // Weight rows of the chunks in the expert (gate/up: ring rows 0..127 are
     // gate rows); LaneScales reads four rows, a one-tile consumer's twice.
@@ -192,7 +190,24 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
       rows[c] = GateUp ? (cc % 2 == 0 ? p.gate_row0 : p.up_row0) + first + out_in_item(cc / 2)
                        : first + ring_row[cc];
     }
-    const LaneScales<F, K> lane_scales(p.scales, expert_scales<K>(p.scales, e), rows, t);
+    return LaneScales<F, K>(p.scales, expert_scales<K>(p.scales, e), rows, t);
+  };
+  // The next item and its expert are read during this item's epilogue, and
+  // the scale words of its first two K blocks brought into L1 there, so
+  // that an item starts without two dependent trips to global memory.
+  GroupedItem next_w{};
+  int next_e = 0;
+  if (blockIdx.x < items) {
+    next_w = grouped_item(blockIdx.x, tiles, row_blocks, p.tile_group);
+    next_e = p.tile_expert[next_w.tile];
+  }
+
+  std::uint32_t it = 0;
+  for (std::uint32_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const GroupedItem w = next_w;
+    const int e = next_e;
+    const std::uint32_t first = GateUp ? w.row_block * 128 : w.row_block * kGroupedRows;
+    const LaneScales<F, K> lane_scales = scales_of(w, e);
     const auto load_words = [&](std::uint32_t kb) {
       uint4 v;
       v.x = __ldg(lane_scales.word(0, kb));
@@ -316,6 +331,22 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
     // (row g + 8, same token) of the warp's m16 tile.
     const float gs = (p.global ? p.global[e] : 1.0f) * kDecodeUnfold<F>;
     const int* tile_slots = p.sorted_slot + std::uint64_t(w.tile) * NT;
+    // The next item's expert now, its first scale words into L1 halfway
+    // through the epilogue.
+    const std::uint32_t next_item = item + gridDim.x;
+    if (next_item < items) {
+      next_w = grouped_item(next_item, tiles, row_blocks, p.tile_group);
+      next_e = p.tile_expert[next_w.tile];
+    }
+    const auto start_next = [&](int j) {
+      if (j != NT / 16 || next_item >= items) return;
+      const LaneScales<F, K> ls = scales_of(next_w, next_e);
+#pragma unroll
+      for (int c = 0; c < 2 * kMT; ++c) {
+        prefetch_l1(ls.word(c, 0));
+        if (kblocks > 1) prefetch_l1(ls.word(c, 1));
+      }
+    };
     if (GateUp || p.slot_out16 != nullptr) {
       // bf16 outputs leave in pairs of adjacent columns, one 4-byte store per
       // pair: the lane groups g and g ^ kPairBit hold neighbouring columns
@@ -337,6 +368,7 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
           (first + grouped_out_in_item(GateUp, wg * kMT, wi, eg)) & ~std::uint32_t(kPairBit));
 #pragma unroll
       for (int j = 0; j < NT / 8; ++j) {
+        start_next(j);
         const int slot = tile_slots[8 * j + 2 * et + b];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
@@ -375,6 +407,7 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
     } else {
 #pragma unroll
       for (int j = 0; j < NT / 8; ++j) {
+        start_next(j);
 #pragma unroll
         for (int v = 0; v < 2; ++v) {
           const int slot = tile_slots[8 * j + 2 * t + v];
