@@ -19,6 +19,7 @@
 #include "csfmoe/detail/csf_layout.hpp"
 #include "csfmoe/formats.hpp"
 #include "cuda/primitives/ptx.cuh"
+#include "cuda/primitives/search.cuh"
 
 namespace csfmoe::gpu {
 
@@ -380,14 +381,7 @@ __device__ __forceinline__ u32 build_used_set(const ExpandParams& p, u32* bitmap
 
 // The slot-th used expert (ascending ids).
 __device__ __forceinline__ u32 nth_used(const u32* bitmap, const u32* prefix, u32 words, u32 slot) {
-  u32 lo = 0, hi = words;  // last word with prefix <= slot
-  while (hi - lo > 1) {
-    const u32 mid = (lo + hi) / 2;
-    if (prefix[mid] <= slot)
-      lo = mid;
-    else
-      hi = mid;
-  }
+  const u32 lo = ptx::last_at_most(prefix, words, slot);  // the word holding it
   const u32 bit = __fns(bitmap[lo], 0, static_cast<int>(slot - prefix[lo] + 1));
   return lo * 32 + bit;
 }

@@ -13,6 +13,7 @@
 
 #include "csfmoe/detail/csf_layout.hpp"
 #include "csfmoe/detail/plane_layout.hpp"
+#include "cuda/primitives/search.cuh"
 
 namespace csfmoe::gpu::planes {
 
@@ -59,15 +60,7 @@ __global__ void nvfp4_fixed_kernel(PlanesParams p) {
 
 // The expert of record i: the last e with record_start[e] <= i.
 __device__ __forceinline__ u32 expert_of_record(const u32* start, u32 experts, u64 i) {
-  u32 lo = 0, hi = experts;  // start[lo] <= i < start[hi]
-  while (hi - lo > 1) {
-    const u32 mid = (lo + hi) / 2;
-    if (start[mid] <= i)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  return lo;
+  return ptx::last_at_most(start, experts, i);
 }
 
 // Plane positions (row * cols + col) to resident ones (row * padded_cols + col).
