@@ -81,8 +81,9 @@ __device__ __forceinline__ void scatter_round(const Id* ids, std::uint32_t base,
   if (e >= 0) r.sorted_slot[pos] = int(s);
 }
 
-// One block: every slot of the call, in rounds of blockDim.x slots (the
-// default for every call; the chunked passes below write the same tables).
+// One block: every slot of the call, in rounds of blockDim.x slots (calls of
+// one chunk; the chunked passes below write the same tables with the same
+// helpers).
 template <typename Id>
 __global__ void __launch_bounds__(kRouteThreads)
     route_block_kernel(const Id* __restrict__ ids, std::uint32_t slots, std::uint32_t experts, Routing r) {
@@ -95,65 +96,28 @@ __global__ void __launch_bounds__(kRouteThreads)
   // still be read by the previous call's down GEMM (launch.cuh).
   grid_dependency_wait();
   allow_dependent_launch();
-  for (int e = tid; e < int(experts); e += blockDim.x) count[e] = cursor[e] = 0;
+  for (int e = tid; e < int(experts); e += blockDim.x) count[e] = 0;
   if (tid == 0) invalid = 0;
   __syncthreads();
   for (std::uint32_t s = tid; s < slots; s += blockDim.x) {
-    const long long id = static_cast<long long>(ids[s]);
-    if (id >= 0 && id < experts)
-      atomicAdd(&count[id], 1);
+    const int e = expert_of(ids, s, slots, experts);
+    if (e >= 0)
+      atomicAdd(&count[e], 1);
     else
       atomicAdd(&invalid, 1);
   }
   __syncthreads();
-  {
-    // Tile-padded expert offsets: one block-wide scan (E <= kRouteThreads).
-    using Scan = cub::BlockScan<int, kRouteThreads>;
-    __shared__ typename Scan::TempStorage scan_storage;
-    const int tile = int(r.tile_rows);
-    const int padded = tid < int(experts) ? (count[tid] + tile - 1) / tile * tile : 0;
-    int start = 0, run = 0;
-    Scan(scan_storage).ExclusiveSum(padded, start, run);
-    if (tid < int(experts)) offset[tid] = start;
-    if (tid == 0) {
-      offset[experts] = run;
-      r.header[0] = run / tile;
-      r.header[1] = invalid;
-    }
+  const int tile = int(r.tile_rows);
+  const int run = padded_offsets(count, experts, tile, offset);
+  if (tid == 0) {
+    r.header[0] = run / tile;
+    r.header[1] = invalid;
   }
+  if (tid < int(experts)) cursor[tid] = offset[tid];
+  write_tiles(count, offset, experts, tid / 32, int(blockDim.x / 32), r);
   __syncthreads();
-  for (int e = tid; e < int(experts); e += blockDim.x) {
-    for (int t = offset[e] / int(r.tile_rows); t < offset[e + 1] / int(r.tile_rows); ++t)
-      r.tile_expert[t] = e;
-    for (int p = offset[e] + count[e]; p < offset[e + 1]; ++p) r.sorted_slot[p] = -1;
-  }
-  // Stable scatter: warps take turns so that every slot's rank is the number
-  // of earlier slots routed to the same expert.
-  const int warp = tid / 32, lane = tid % 32;
-  const unsigned lt = (1u << lane) - 1u;
-  for (std::uint32_t base = 0; base < slots; base += blockDim.x) {
-    const std::uint32_t s = base + tid;
-    int e = -1;
-    if (s < slots) {
-      const long long id = static_cast<long long>(ids[s]);
-      e = (id >= 0 && id < experts) ? int(id) : -1;
-    }
-    const unsigned peers = __match_any_sync(0xFFFFFFFFu, e);
-    const int rank = __popc(peers & lt);
-    int pos = 0;
-    // Only warps holding slots of this round take a turn (block-uniform count).
-    const int turns = min(int(blockDim.x / 32), int((slots - base + 31) / 32));
-    for (int w = 0; w < turns; ++w) {
-      if (warp == w) {
-        const int c = e >= 0 ? cursor[e] : 0;
-        __syncwarp();
-        if (e >= 0 && rank == 0) cursor[e] = c + __popc(peers);
-        pos = c + rank;
-      }
-      __syncthreads();
-    }
-    if (e >= 0) r.sorted_slot[offset[e] + pos] = int(s);
-  }
+  for (std::uint32_t base = 0; base < slots; base += blockDim.x)
+    scatter_round(ids, base, slots, experts, cursor, r);
 }
 
 // Pass 1 of the chunked sort: block c counts chunk c's slots per expert
