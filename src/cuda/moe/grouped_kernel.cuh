@@ -20,7 +20,8 @@
 //  * Persistence. Every CTA walks the work list (grouped_item: raster groups
 //    of p.tile_group tiles) with a fixed stride; producer and consumers walk
 //    it alike, so the producer streams the next item's weights while the
-//    consumers run the epilogue.
+//    consumers run the epilogue, in which they also read the next item's
+//    expert and bring its first scale words into L1.
 //  * Operand order and scales as the prefill kernel (prefill_kernel.cuh):
 //    activations K-permuted in global memory (prefill_k_source), the decode
 //    kernel's E2M1 conversion and LaneScales, whose words each consumer
@@ -74,7 +75,8 @@ using decode_bits::prefill_permuted_column;
 constexpr std::uint32_t grouped_second_tile_act_step = 2;
 constexpr bool grouped_second_tile_act_step_holds() {
   for (std::uint32_t k = 0; k < 256; ++k)
-    if ((k & 32u) == 0 && prefill_permuted_column(k + 32) != prefill_permuted_column(k) + grouped_second_tile_act_step)
+    if ((k & 32u) == 0 &&
+        prefill_permuted_column(k + 32) != prefill_permuted_column(k) + grouped_second_tile_act_step)
       return false;
   return true;
 }
