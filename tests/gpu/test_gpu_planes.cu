@@ -104,13 +104,15 @@ void expect_error(F&& call, const std::string& needle) {
   }
 }
 
-// The small layer of the refusal tests: 3 experts, H 128, N 64, top-2, so
-// w13 scales are [128, 8] and w2 scales [128, 4] per expert (NVFP4).
-MoeLayerGeometry small_geometry() {
+// A top-2 layer; by default the small layer of the refusal tests: 3 experts,
+// H 128, N 64, so w13 scales are [128, 8] and w2 scales [128, 4] per expert
+// (NVFP4).
+MoeLayerGeometry small_geometry(std::uint32_t experts = 3, std::uint32_t hidden = 128,
+                                std::uint32_t intermediate = 64) {
   MoeLayerGeometry g;
-  g.experts = 3;
-  g.hidden = 128;
-  g.intermediate = 64;
+  g.experts = experts;
+  g.hidden = hidden;
+  g.intermediate = intermediate;
   g.topk = 2;
   return g;
 }
@@ -254,11 +256,7 @@ TEST(PrepareFromPlanes, LayerEqualsTheOnePreparedFromNativeScales) {
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   for (const ScaleFormat f : {ScaleFormat::nvfp4, ScaleFormat::mxfp4}) {
     SCOPED_TRACE(to_string(f));
-    MoeLayerGeometry g;
-    g.experts = 6;
-    g.hidden = 256;
-    g.intermediate = 128;
-    g.topk = 2;
+    const MoeLayerGeometry g = small_geometry(6, 256, 128);
     MoeConstraints c;
     c.compression = ScaleCompression::csf;
     const MoePlan plan = plan_weights(f, g, c);
