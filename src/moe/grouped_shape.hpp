@@ -158,6 +158,18 @@ constexpr GroupedActChunk grouped_act_chunk(std::uint32_t nt, int p, int a) {
   return c;
 }
 
+// The producer's row table of a tile (source offsets of its NT rows),
+// laid out per thread: producer thread p gathers rows p / 16 + 8a
+// (grouped_act_chunk), so row n sits at (n % 8) * NT / 8 + n / 8 and a
+// thread's NT / 8 offsets are adjacent, read `grouped_row_table_vec` at a
+// time (16- or 8-byte shared loads where the block's alignment allows).
+constexpr std::uint32_t grouped_row_table_index(std::uint32_t nt, std::uint32_t row) {
+  return (row % 8) * (nt / 8) + row / 8;
+}
+constexpr int grouped_row_table_vec(std::uint32_t nt) {
+  return (nt / 8) % 4 == 0 ? 4 : (nt / 8) % 2 == 0 ? 2 : 1;
+}
+
 // The token tile of a call (the routing's rows per tile, the most one item
 // multiplies), from the mean routed rows per expert R = ceil(T * k / E) by
 // a table measured on the H100 over every class (DeepSeek-V3, Kimi K2 and

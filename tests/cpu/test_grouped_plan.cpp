@@ -243,6 +243,31 @@ TEST(GroupedPlan, ProducerChunksFillEachStageOnceInTheSwizzledLayout) {
   }
 }
 
+TEST(GroupedPlan, ProducerRowTableHoldsEachThreadsRowsSideBySide) {
+  for (int nt : kGroupedTokenTiles) {
+    const auto n = std::uint32_t(nt);
+    const int vec = grouped_row_table_vec(n);
+    std::vector<int> owner(n, 0);
+    for (std::uint32_t row = 0; row < n; ++row) {
+      const std::uint32_t i = grouped_row_table_index(n, row);
+      ASSERT_LT(i, n) << nt;
+      owner[i]++;
+    }
+    for (int o : owner) EXPECT_EQ(o, 1) << nt;  // a bijection onto the table
+    // Every producer thread finds its chunks' rows at one aligned block.
+    for (int p = 0; p < 128; ++p) {
+      const std::uint32_t base = grouped_row_table_index(n, grouped_act_chunk(n, p, 0).row);
+      EXPECT_EQ(base % std::uint32_t(vec), 0u) << nt;
+      for (int a = 0; a < nt / 8; ++a)
+        EXPECT_EQ(grouped_row_table_index(n, grouped_act_chunk(n, p, a).row), base + std::uint32_t(a)) << nt;
+    }
+    EXPECT_EQ((n / 8) % std::uint32_t(vec), 0u) << nt;
+    // The table's two buffers start 16-byte aligned in shared memory.
+    EXPECT_EQ(grouped_smem(n).tables % 16, 0u) << nt;
+    EXPECT_EQ((n * 4) % 16, 0u) << nt;
+  }
+}
+
 TEST(GroupedPlan, CallPlanChoosesTheGroupedKernelFromFiveRowsPerExpert) {
   const MoePlan native = plan_of(ScaleCompression::none, kDs3), csf = plan_of(ScaleCompression::csf, kDs3);
   MoeBindOptions o;

@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
   unsigned char* smem = smem_raw + (((raw_addr + 1023u) & ~1023u) - raw_addr);
   auto* full = reinterpret_cast<std::uint64_t*>(smem + kSmem.barriers);
   std::uint64_t* empty = full + kStages;
-  auto* tables = reinterpret_cast<std::uint32_t*>(smem + kSmem.tables);  // [2][NT]
+  auto* tables = reinterpret_cast<std::uint32_t*>(smem + kSmem.tables);  // [2][NT], grouped_row_table_index
 
   const int tid = threadIdx.x;
   if (tid == 0) {
@@ -134,6 +134,7 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
     constexpr GroupedActChunk first = grouped_act_chunk(NT, 0, 0);
     static_assert(first.row == 0 && first.offset == 0);
     const GroupedActChunk chunk = grouped_act_chunk(NT, tid, 0);
+    constexpr int kRowVec = grouped_row_table_vec(NT);
     std::uint32_t it = 0, buf = 0;
     for (std::uint32_t item = blockIdx.x; item < items; item += gridDim.x, buf ^= 1u) {
       const GroupedItem w = grouped_item(item, tiles, row_blocks, p.tile_group);
@@ -141,7 +142,8 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
       std::uint32_t* table = tables + buf * NT;
       for (int n = tid; n < NT; n += 128) {
         const int slot = p.sorted_slot[w.tile * NT + n];
-        table[n] = slot < 0 ? kGroupedNoRow : std::uint32_t(GateUp ? slot / int(p.topk) : slot) * p.k;
+        table[grouped_row_table_index(NT, n)] =
+            slot < 0 ? kGroupedNoRow : std::uint32_t(GateUp ? slot / int(p.topk) : slot) * p.k;
       }
       named_barrier_sync(1, 128);
       const int y0 = int(std::uint32_t(e) * p.out_rows +
@@ -158,11 +160,26 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
         }
         const std::uint32_t act = smem_u32(stage + kGroupedWeightStageBytes) + chunk.offset;
         const std::uint32_t col = kb * kGroupedKBlock + chunk.half * 64 + chunk.c8 * 8;
+        // The thread's rows, kRowVec offsets per shared load (grouped_row_table_index).
+        const std::uint32_t* rows = table + grouped_row_table_index(NT, chunk.row);
 #pragma unroll
-        for (int a = 0; a < NT / 8; ++a) {
-          const std::uint32_t off = table[chunk.row + 8 * a];
-          const bool real = off != kGroupedNoRow;
-          cp_async16_or_zero(act + std::uint32_t(a) * 8 * 128, p.a + (real ? off : 0u) + col, real);
+        for (int a0 = 0; a0 < NT / 8; a0 += kRowVec) {
+          std::uint32_t offs[kRowVec];
+          if constexpr (kRowVec == 4) {
+            const uint4 v = *reinterpret_cast<const uint4*>(rows + a0);
+            offs[0] = v.x, offs[1] = v.y, offs[2] = v.z, offs[3] = v.w;
+          } else if constexpr (kRowVec == 2) {
+            const uint2 v = *reinterpret_cast<const uint2*>(rows + a0);
+            offs[0] = v.x, offs[1] = v.y;
+          } else {
+            offs[0] = rows[a0];
+          }
+#pragma unroll
+          for (int v = 0; v < kRowVec; ++v) {
+            const std::uint32_t off = offs[v];
+            const bool real = off != kGroupedNoRow;
+            cp_async16_or_zero(act + std::uint32_t(a0 + v) * 8 * 128, p.a + (real ? off : 0u) + col, real);
+          }
         }
         cp_async_arrive_noinc(&full[s]);
       }
@@ -359,10 +376,16 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
       // skip the store.
       constexpr int kPairBit = GateUp ? 4 : 1;
       constexpr unsigned kAll = 0xFFFFFFFFu;
+      // The slots of the lane's tokens (8j + 2t + b) are loaded kSlotBatch
+      // at a time, not one by one before each store; in the two-tile
+      // consumers more live values than 4 spill beside the accumulators.
+      constexpr int kSlotBatch = kMT == 1 ? NT / 8 : (NT / 8) % 4 == 0 ? 4 : 2;
+      static_assert((NT / 8) % kSlotBatch == 0);
       // The lane's coordinates again, computed here: held from the start they
       // would cost the 128-row tile registers beside its accumulators.
       const int el = lane_id_here(), eg = el / 4, et = el % 4;
       const int b = (eg & kPairBit) != 0 ? 1 : 0;
+      int slots[kSlotBatch];
       // gate/up: the act column the lane's pairs start at in its first m64
       // tile; the second tile's outputs are 32 further, 2 further in act
       // (grouped_second_tile_act_step).
@@ -371,7 +394,11 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
 #pragma unroll
       for (int j = 0; j < NT / 8; ++j) {
         start_next(j);
-        const int slot = tile_slots[8 * j + 2 * et + b];
+        if (j % kSlotBatch == 0) {
+#pragma unroll
+          for (int i = 0; i < kSlotBatch; ++i) slots[i] = tile_slots[8 * (j + i) + 2 * et + b];
+        }
+        const int slot = slots[j % kSlotBatch];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
           const std::uint32_t o = first + grouped_out_in_item(GateUp, wg * kMT + mt, wi, eg);
