@@ -166,8 +166,22 @@ constexpr GroupedActChunk grouped_act_chunk(std::uint32_t nt, int p, int a) {
 constexpr std::uint32_t grouped_row_table_index(std::uint32_t nt, std::uint32_t row) {
   return (row % 8) * (nt / 8) + row / 8;
 }
+// Batched reads measured on the H100 (bench/RESULTS.md, "Grouped kernel:
+// batched row-table and slot reads"): 4-8 % faster with 48- to 128-row
+// tiles, level with 16; the 32-row tile was 3-5 % slower (Kimi K2 T = 1024)
+// and keeps one read per row and step, as before.
+constexpr bool grouped_batches_reads(std::uint32_t nt) { return nt != 32; }
 constexpr int grouped_row_table_vec(std::uint32_t nt) {
+  if (!grouped_batches_reads(nt)) return 1;
   return (nt / 8) % 4 == 0 ? 4 : (nt / 8) % 2 == 0 ? 2 : 1;
+}
+// Slots the bf16 epilogue loads at once (one per 8-token step and lane): a
+// one-tile consumer (grouped_consumers) all of the tile's, a two-tile one 4
+// or 2 (more live values spill beside its accumulators).
+constexpr int grouped_slot_batch(std::uint32_t nt) {
+  if (!grouped_batches_reads(nt)) return 1;
+  if (int(nt) <= kGroupedMaxOneTileClass) return int(nt / 8);
+  return (nt / 8) % 4 == 0 ? 4 : 2;
 }
 
 // The token tile of a call (the routing's rows per tile, the most one item

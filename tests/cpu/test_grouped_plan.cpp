@@ -262,6 +262,12 @@ TEST(GroupedPlan, ProducerRowTableHoldsEachThreadsRowsSideBySide) {
         EXPECT_EQ(grouped_row_table_index(n, grouped_act_chunk(n, p, a).row), base + std::uint32_t(a)) << nt;
     }
     EXPECT_EQ((n / 8) % std::uint32_t(vec), 0u) << nt;
+    // The epilogue's slot batches divide its 8-token steps; the two-tile
+    // consumers hold at most 4 slots beside their accumulators.
+    const int batch = grouped_slot_batch(n);
+    EXPECT_EQ((nt / 8) % batch, 0) << nt;
+    if (grouped_consumers(nt).m_tiles == 2) EXPECT_LE(batch, 4) << nt;
+    if (!grouped_batches_reads(n)) EXPECT_TRUE(vec == 1 && batch == 1) << nt;  // one read at a time
     // The table's two buffers start 16-byte aligned in shared memory.
     EXPECT_EQ(grouped_smem(n).tables % 16, 0u) << nt;
     EXPECT_EQ((n * 4) % 16, 0u) << nt;

@@ -376,10 +376,9 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
       // skip the store.
       constexpr int kPairBit = GateUp ? 4 : 1;
       constexpr unsigned kAll = 0xFFFFFFFFu;
-      // The slots of the lane's tokens (8j + 2t + b) are loaded kSlotBatch
-      // at a time, not one by one before each store; in the two-tile
-      // consumers more live values than 4 spill beside the accumulators.
-      constexpr int kSlotBatch = kMT == 1 ? NT / 8 : (NT / 8) % 4 == 0 ? 4 : 2;
+      // The slots of the lane's tokens (8j + 2t + b), kSlotBatch loads at a
+      // time (grouped_slot_batch).
+      constexpr int kSlotBatch = grouped_slot_batch(NT);
       static_assert((NT / 8) % kSlotBatch == 0);
       // The lane's coordinates again, computed here: held from the start they
       // would cost the 128-row tile registers beside its accumulators.
