@@ -167,8 +167,8 @@ constexpr std::uint32_t grouped_row_table_index(std::uint32_t nt, std::uint32_t 
   return (row % 8) * (nt / 8) + row / 8;
 }
 // Batched reads measured on the H100 (bench/RESULTS.md, "Grouped kernel:
-// batched row-table and slot reads"): 4-8 % faster with 48- to 128-row
-// tiles, level with 16; the 32-row tile was 3-5 % slower (Kimi K2 T = 1024)
+// batched row-table and slot reads"): 2-10 % faster with 48- to 128-row
+// tiles, level with 16; the 32-row tile was 3-6 % slower (Kimi K2 T = 1024)
 // and keeps one read per row and step, as before.
 constexpr bool grouped_batches_reads(std::uint32_t nt) { return nt != 32; }
 constexpr int grouped_row_table_vec(std::uint32_t nt) {
