@@ -135,6 +135,9 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
     static_assert(first.row == 0 && first.offset == 0);
     const GroupedActChunk chunk = grouped_act_chunk(NT, tid, 0);
     constexpr int kRowVec = grouped_row_table_vec(NT);
+    struct alignas(4 * kRowVec) RowOffsets {  // one shared load
+      std::uint32_t v[kRowVec];
+    };
     std::uint32_t it = 0, buf = 0;
     for (std::uint32_t item = blockIdx.x; item < items; item += gridDim.x, buf ^= 1u) {
       const GroupedItem w = grouped_item(item, tiles, row_blocks, p.tile_group);
@@ -164,19 +167,10 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
         const std::uint32_t* rows = table + grouped_row_table_index(NT, chunk.row);
 #pragma unroll
         for (int a0 = 0; a0 < NT / 8; a0 += kRowVec) {
-          std::uint32_t offs[kRowVec];
-          if constexpr (kRowVec == 4) {
-            const uint4 v = *reinterpret_cast<const uint4*>(rows + a0);
-            offs[0] = v.x, offs[1] = v.y, offs[2] = v.z, offs[3] = v.w;
-          } else if constexpr (kRowVec == 2) {
-            const uint2 v = *reinterpret_cast<const uint2*>(rows + a0);
-            offs[0] = v.x, offs[1] = v.y;
-          } else {
-            offs[0] = rows[a0];
-          }
+          const RowOffsets offs = *reinterpret_cast<const RowOffsets*>(rows + a0);
 #pragma unroll
           for (int v = 0; v < kRowVec; ++v) {
-            const std::uint32_t off = offs[v];
+            const std::uint32_t off = offs.v[v];
             const bool real = off != kGroupedNoRow;
             cp_async16_or_zero(act + std::uint32_t(a0 + v) * 8 * 128, p.a + (real ? off : 0u) + col, real);
           }
