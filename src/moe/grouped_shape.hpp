@@ -74,17 +74,25 @@ constexpr bool grouped_offsets_fit(std::uint64_t tokens, std::uint32_t topk, std
   return tokens * hidden < 0xFFFFFFFFull && tokens * topk * intermediate < 0xFFFFFFFFull;
 }
 
-// Shared memory of a token tile of `nt` rows: `stages` ring stages of
-// weights (TMA) and the tile's two 64-K halves of activation rows
-// ([nt][128 B], 128-byte swizzle), the full / empty mbarrier pairs, the
-// producer's two row tables and slack to align the ring to 1024 bytes.
+// Block-scale bytes of one weight row per 128-wide K block: NVFP4 8 (one
+// per 16 K), MXFP4 4 (one per 32 K). The producer copies an item's 256 scale
+// rows into each stage beside its weight rows, so the consumers read them from
+// shared memory instead of each loading its own words from global memory.
+constexpr std::uint32_t grouped_scale_row_bytes(bool nvfp4) { return nvfp4 ? 8u : 4u; }
+
+// Shared memory of a token tile of `nt` rows: `stages` ring stages, each
+// [weights (TMA): 256 rows x 64 B][activations: two 64-K halves of [nt][128 B],
+// 128-byte swizzle][scales: 256 rows x scale_row_bytes (ring row j: weight row
+// j of the stage, grouped_weight_row)], then the full / empty mbarrier pairs,
+// the producer's two row tables and slack to align the ring to 1024 bytes.
 struct GroupedSmem {
-  std::uint32_t act_bytes, stage_bytes, stages, barriers, tables, total;
+  std::uint32_t act_bytes, scale_offset, stage_bytes, stages, barriers, tables, total;
 };
-constexpr GroupedSmem grouped_smem(std::uint32_t nt) {
+constexpr GroupedSmem grouped_smem(std::uint32_t nt, std::uint32_t scale_row_bytes) {
   GroupedSmem s{};
   s.act_bytes = nt * kGroupedKBlock * 2;
-  s.stage_bytes = kGroupedWeightStageBytes + s.act_bytes;
+  s.scale_offset = kGroupedWeightStageBytes + s.act_bytes;
+  s.stage_bytes = s.scale_offset + kGroupedRows * scale_row_bytes;
   const std::uint32_t fixed = 1024 + 2 * 8 * kGroupedMaxStages + 2 * nt * 4;
   s.stages = std::min(kGroupedMaxStages, (kGroupedSmemLimit - fixed) / s.stage_bytes);
   s.barriers = s.stages * s.stage_bytes;  // offset of the barriers from the aligned base
@@ -140,6 +148,26 @@ constexpr std::uint32_t grouped_out_in_item(bool gate_up, int q, int wi, int g) 
 constexpr std::uint32_t grouped_ring_row(bool gate_up, int q, int wi, int g, int h) {
   return gate_up ? std::uint32_t(h) * 128 + grouped_out_in_item(true, q, wi, g)
                  : grouped_out_in_item(false, q, wi, g) + 8 * std::uint32_t(h);
+}
+
+// The weight row (within its expert) of ring row j (0..255) of an item of
+// row block `row_block`: the TMA copies put gate rows gate_row0 + 128 rb ..
+// + 127 at ring rows 0..127 and the same up rows at 128..255 (gate/up), or
+// rows 256 rb .. + 255 in order (down); the stage's scale rows follow them.
+constexpr std::uint32_t grouped_weight_row(bool gate_up, std::uint32_t ring_row, std::uint32_t row_block,
+                                           std::uint32_t gate_row0, std::uint32_t up_row0) {
+  if (!gate_up) return row_block * kGroupedRows + ring_row;
+  return (ring_row < 128 ? gate_row0 : up_row0) + row_block * 128 + ring_row % 128;
+}
+
+// Bytes between the scale words of weight rows r and r + rows (rows a
+// multiple of 128, possibly negative) in one expert's dense scale grid of
+// `cols` columns (the padded count when swizzled): row-major rows * cols,
+// 128x4-swizzled whole row tiles of cols / 4 512-byte tiles (swizzled_index
+// in csfmoe/formats.hpp). The producer's second scale row of a stage sits
+// this far from its first (ring rows tid and tid + 128).
+constexpr std::int64_t grouped_scale_rows_apart(bool swizzled, std::int64_t rows, std::uint32_t cols) {
+  return swizzled ? rows / 128 * std::int64_t(cols / 4) * 512 : rows * std::int64_t(cols);
 }
 
 // Activation chunk a (0 .. nt / 8 - 1) of producer thread p (0..127) in a

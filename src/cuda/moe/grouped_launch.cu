@@ -50,10 +50,15 @@ CUtensorMap weight_map(const GemmParams& p, std::uint32_t experts) {
   return map;
 }
 
+template <ScaleFormat F, int NT>
+constexpr GroupedSmem grouped_smem_of() {
+  return grouped_smem(NT, grouped_scale_row_bytes(F == ScaleFormat::nvfp4));
+}
+
 template <ScaleFormat F, ScaleKind K, Projection P, int NT>
 void grouped_launch(const CUtensorMap& map, const GemmParams& p, cudaStream_t stream) {
   launch_kernel("moe grouped GEMM", p.chained, &moe_grouped_kernel<F, K, P, NT>, dim3(p.sm_count),
-                dim3(grouped_consumers(NT).threads), grouped_smem(NT).total, stream, map, p);
+                dim3(grouped_consumers(NT).threads), grouped_smem_of<F, NT>().total, stream, map, p);
 }
 
 }  // namespace
@@ -67,8 +72,10 @@ bool configure_grouped_kernels(int device) {
   // wgmma, setmaxnreg and TMA: this build's sm_90a code.
   if (prop.major != 9 || prop.minor != 0 || tensor_map_encoder() == nullptr) return false;
   bool fits = true;
-  for_each_value(GroupedTokenTiles{},
-                 [&]<int NT>() { fits = fits && prop.sharedMemPerBlockOptin >= grouped_smem(NT).total; });
+  for_each_value(ScaleFormats{}, [&]<ScaleFormat F>() {
+    for_each_value(GroupedTokenTiles{},
+                   [&]<int NT>() { fits = fits && prop.sharedMemPerBlockOptin >= grouped_smem_of<F, NT>().total; });
+  });
   if (!fits) return false;
   for_each_value(ScaleFormats{}, [&]<ScaleFormat F>() {
     for_each_value(DenseScaleKinds{}, [&]<ScaleKind K>() {
@@ -84,8 +91,8 @@ bool configure_grouped_kernels(int device) {
           fits = fits && 128 * c.producer_regs + 128 * c.groups * c.consumer_regs <= c.threads * attr.numRegs;
           CSFMOE_CUDA_CHECK_WHAT(
               cudaFuncSetAttribute(&moe_grouped_kernel<F, K, P, NT>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, int(grouped_smem(NT).total)),
-              "configure the grouped MoE kernels (" + std::to_string(grouped_smem(NT).total) +
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, int(grouped_smem_of<F, NT>().total)),
+              "configure the grouped MoE kernels (" + std::to_string(grouped_smem_of<F, NT>().total) +
                   " bytes of shared memory)");
         });
       });

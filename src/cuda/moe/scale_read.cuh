@@ -6,6 +6,8 @@
 #include <cstdint>
 
 #include "cuda/moe/launchers.hpp"
+#include "cuda/primitives/ptx.cuh"
+#include "moe/grouped_shape.hpp"
 #include "moe/stage_read_index.hpp"
 
 namespace csfmoe::moe_detail {
@@ -62,6 +64,36 @@ __device__ __forceinline__ std::uint8_t csf_fixed_scale(const ScaleSource& s, in
     return std::uint8_t(
         base +
         ((slab[csf::mxfp4_offset_byte(row, col, s.layout.padded_cols)] >> csf::mxfp4_offset_bit(col)) & 1));
+  }
+}
+
+// Dense scale words: a lane's four rows' aligned source words w.x..w.w (row
+// c's word holds the lane's bytes at byte pos[c]) and the __byte_perm
+// selectors that gather them (LaneScales::gather's layout of u):
+//   NVFP4 u[j] = (row 2j col 0, row 2j col 1, row 2j+1 col 0, row 2j+1 col 1),
+//   MXFP4 u[0] = (row 0, row 1, row 2, row 3).
+template <ScaleFormat F>
+__host__ __device__ __forceinline__ void dense_scale_selectors(const std::uint32_t (&pos)[4],
+                                                               std::uint32_t (&sel)[2]) {
+  if constexpr (F == ScaleFormat::nvfp4) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const std::uint32_t p0 = pos[2 * j], p1 = pos[2 * j + 1] + 4;
+      sel[j] = p0 | (p0 + 1) << 4 | p1 << 8 | (p1 + 1) << 12;
+    }
+  } else {
+    sel[0] = pos[0] | (pos[1] + 4) << 4;
+    sel[1] = pos[2] | (pos[3] + 4) << 4;
+  }
+}
+template <ScaleFormat F>
+__device__ __forceinline__ void gather_dense_scale_bytes(const uint4& w, const std::uint32_t (&sel)[2],
+                                                         std::uint32_t (&u)[F == ScaleFormat::nvfp4 ? 2 : 1]) {
+  if constexpr (F == ScaleFormat::nvfp4) {
+    u[0] = __byte_perm(w.x, w.y, sel[0]);
+    u[1] = __byte_perm(w.z, w.w, sel[1]);
+  } else {
+    u[0] = __byte_perm(__byte_perm(w.x, w.y, sel[0]), __byte_perm(w.z, w.w, sel[1]), 0x5410);
   }
 }
 
@@ -127,26 +159,23 @@ struct LaneScales {
       // (CSF MXFP4 moves half a byte per block: aligned in word).
       at[c] = std::uint32_t(off) - (kMxCsf ? 0u : pos[c]);
     }
-    if constexpr (F == ScaleFormat::nvfp4) {
+    if constexpr (!kCsf) {
+      dense_scale_selectors<F>(pos, sel);
+    } else if constexpr (F == ScaleFormat::nvfp4) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
+        // The offset byte of each row, twice.
         const std::uint32_t p0 = pos[2 * j], p1 = pos[2 * j + 1] + 4;
-        // dense: the two bytes of each row; csf: the offset byte of each row, twice.
-        sel[j] = kCsf ? p0 | p0 << 4 | p1 << 8 | p1 << 12 : p0 | (p0 + 1) << 4 | p1 << 8 | (p1 + 1) << 12;
-        if constexpr (kCsf) {
-          const std::uint32_t b = (base[2 * j] | base[2 * j + 1] << 16) * 0x0101u;
-          base_lo[j] = b & 0x7F7F7F7Fu;
-          base_hi[j] = b & 0x80808080u;
-        }
+        sel[j] = p0 | p0 << 4 | p1 << 8 | p1 << 12;
+        const std::uint32_t b = (base[2 * j] | base[2 * j + 1] << 16) * 0x0101u;
+        base_lo[j] = b & 0x7F7F7F7Fu;
+        base_hi[j] = b & 0x80808080u;
       }
-    } else if constexpr (kCsf) {
+    } else {
       const std::uint32_t b = base[0] | base[1] << 8 | base[2] << 16 | base[3] << 24;
       base_lo[0] = b & 0x7F7F7F7Fu;
       base_hi[0] = b & 0x80808080u;
       sel[0] = t;  // the lane's bit among the 4 columns of a K block
-    } else {
-      sel[0] = pos[0] | (pos[1] + 4) << 4;
-      sel[1] = pos[2] | (pos[3] + 4) << 4;
     }
   }
 
@@ -164,19 +193,19 @@ struct LaneScales {
 
   // The lane's scale bytes of K block kb from the four copied words.
   __device__ __forceinline__ void gather(const uint4& w, std::uint32_t kb, std::uint32_t (&u)[kWords]) const {
-    if constexpr (F == ScaleFormat::nvfp4) {
+    if constexpr (!kCsf) {
+      gather_dense_scale_bytes<F>(w, sel, u);
+    } else if constexpr (F == ScaleFormat::nvfp4) {
       u[0] = __byte_perm(w.x, w.y, sel[0]);
       u[1] = __byte_perm(w.z, w.w, sel[1]);
-      if constexpr (kCsf) {
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          // (b0, b0, b1, b1) -> nibbles (lo b0, hi b0, lo b1, hi b1), then + base byte-wise:
-          // offsets < 16 and base bits 0..6 never carry out of a byte; bit 7 adds as an xor.
-          const std::uint32_t nib = (u[j] & 0x000F000Fu) | ((u[j] >> 4) & 0x0F000F00u);
-          u[j] = (nib + base_lo[j]) ^ base_hi[j];
-        }
+      for (int j = 0; j < 2; ++j) {
+        // (b0, b0, b1, b1) -> nibbles (lo b0, hi b0, lo b1, hi b1), then + base byte-wise:
+        // offsets < 16 and base bits 0..6 never carry out of a byte; bit 7 adds as an xor.
+        const std::uint32_t nib = (u[j] & 0x000F000Fu) | ((u[j] >> 4) & 0x0F000F00u);
+        u[j] = (nib + base_lo[j]) ^ base_hi[j];
       }
-    } else if constexpr (kCsf) {
+    } else {
       const std::uint32_t bit = (kb & 1u) * 4u;
       const std::uint32_t words[kRows] = {w.x, w.y, w.z, w.w};
       std::uint32_t bits = 0;
@@ -186,9 +215,53 @@ struct LaneScales {
         bits |= ((words[c] >> shift) & 1u) << (8 * c);
       }
       u[0] = (bits + base_lo[0]) ^ base_hi[0];
-    } else {
-      u[0] = __byte_perm(__byte_perm(w.x, w.y, sel[0]), __byte_perm(w.z, w.w, sel[1]), 0x5410);
     }
+  }
+};
+
+// Dense block scales in the grouped kernel's ring (src/cuda/moe/grouped_kernel.cuh,
+// grouped_smem): per stage, ring row j holds weight row j's bytes of the stage's
+// K block, kRowBytes each. The producer copies the aligned words LaneScales<F,
+// K> loads for the same row and K block (its word of kb = 0 at
+// dense_index_in_expert(row, 0), then kb * kStride), and a consumer lane
+// gathers its bytes from them as LaneScales does, so the GEMM sees the same
+// scale bytes either way.
+template <ScaleFormat F, ScaleKind K>
+struct RingScales {
+  static_assert(K != ScaleKind::csf, "the ring holds dense scales");
+  static constexpr std::uint32_t kRowBytes = grouped_scale_row_bytes(F == ScaleFormat::nvfp4);
+  static constexpr int kWords = LaneScales<F, K>::kWords;
+  static constexpr std::uint32_t kStride = LaneScales<F, K>::kStride;
+
+  // Producer: copies one row's words of a K block (`src`: the row's word at
+  // that K block, LaneScales::word) into `dst`, its ring row of a stage.
+  __device__ __forceinline__ static void copy(unsigned char* dst, const std::uint8_t* src) {
+    if constexpr (F == ScaleFormat::mxfp4) {
+      ptx::cp_async4(dst, src);
+    } else if constexpr (K == ScaleKind::dense_swizzled) {
+      ptx::cp_async4(dst, src);  // columns 8kb .. 8kb + 3 and, one 512-byte tile on, the next four
+      ptx::cp_async4(dst + 4, src + 512);
+    } else {
+      ptx::cp_async8(dst, src);
+    }
+  }
+
+  // Consumer lane t: NVFP4 columns 2t, 2t + 1 of a row's K block, in word
+  // t / 2 at byte 2t % 4; MXFP4 column t, byte t of the row's word.
+  std::uint32_t in_row;
+  std::uint32_t sel[2];
+  __device__ __forceinline__ explicit RingScales(std::uint32_t t) {
+    const std::uint32_t at = F == ScaleFormat::nvfp4 ? 2 * t : t;
+    in_row = at & ~3u;
+    const std::uint32_t pos[4] = {at & 3u, at & 3u, at & 3u, at & 3u};
+    dense_scale_selectors<F>(pos, sel);
+  }
+  // The lane's word of ring row `ring_row` in a stage's scale rows.
+  __device__ __forceinline__ std::uint32_t word(const unsigned char* rows, std::uint32_t ring_row) const {
+    return *reinterpret_cast<const std::uint32_t*>(rows + ring_row * kRowBytes + in_row);
+  }
+  __device__ __forceinline__ void gather(const uint4& w, std::uint32_t (&u)[kWords]) const {
+    gather_dense_scale_bytes<F>(w, sel, u);
   }
 };
 
