@@ -170,6 +170,18 @@ constexpr std::int64_t grouped_scale_rows_apart(bool swizzled, std::int64_t rows
   return swizzled ? rows / 128 * std::int64_t(cols / 4) * 512 : rows * std::int64_t(cols);
 }
 
+// Bytes between a scale row's words of consecutive K blocks (as
+// LaneScales::kStride): row-major 8 (NVFP4) / 4 (MXFP4), 128x4-swizzled two
+// 512-byte tiles (NVFP4: 8 columns) / one (MXFP4). A swizzled NVFP4 row's K
+// block is two words a tile apart, each copied on its own.
+constexpr std::uint32_t grouped_scale_kb_stride(bool nvfp4, bool swizzled) {
+  return swizzled ? (nvfp4 ? 1024u : 512u) : grouped_scale_row_bytes(nvfp4);
+}
+// The byte of a ring scale row at which consumer lane t (lane % 4) finds its
+// scale bytes: NVFP4 columns 2t, 2t + 1 of the K block, MXFP4 column t (its
+// aligned word starts at the byte & ~3).
+constexpr std::uint32_t grouped_scale_lane_byte(bool nvfp4, std::uint32_t t) { return nvfp4 ? 2 * t : t; }
+
 // Activation chunk a (0 .. nt / 8 - 1) of producer thread p (0..127) in a
 // stage: 16 bytes of tile row n = p / 16 + 8a, K half p / 8 % 2 (64 K each),
 // 8-element column c8 = p % 8; stored at half * nt * 128 + n * 128 +

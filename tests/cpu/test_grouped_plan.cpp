@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cstdint>
 #include <random>
 #include <set>
@@ -15,6 +16,7 @@
 #include "csfmoe/call_plan.hpp"
 #include "csfmoe/errors.hpp"
 #include "moe/call_plan.hpp"
+#include "cuda/moe/dequant.cuh"
 #include "moe/grouped_shape.hpp"
 #include "test_seed.hpp"
 
@@ -82,21 +84,31 @@ TEST(GroupedPlan, TokenTileFollowsTheMeasuredTable) {
 }
 
 TEST(GroupedPlan, SharedMemoryFitsAndKeepsTheSwizzleAlignment) {
-  for (int nt : kGroupedTokenTiles) {
-    const GroupedSmem s = grouped_smem(std::uint32_t(nt));
-    SCOPED_TRACE("tile " + std::to_string(nt));
-    EXPECT_LE(s.total, kGroupedSmemLimit);
-    EXPECT_GE(s.stages, 4u);  // deep enough to keep HBM busy
-    EXPECT_LE(s.stages, kGroupedMaxStages);
-    EXPECT_EQ(s.stage_bytes % 1024, 0u);              // 128-byte swizzle atoms of every stage
-    EXPECT_EQ(s.act_bytes, std::uint32_t(nt) * 256);  // two 64-K halves of nt rows of 128 bytes
-    EXPECT_EQ(s.barriers, s.stages * s.stage_bytes);
-    EXPECT_EQ(s.barriers % 8, 0u);
-    EXPECT_EQ(s.tables, s.barriers + 16 * s.stages);
-    EXPECT_GE(s.total, s.tables + 2 * std::uint32_t(nt) * 4 + 1023);  // the slack aligns the ring
-    // One more stage would not fit.
-    EXPECT_TRUE(s.stages == kGroupedMaxStages || s.total + s.stage_bytes + 16 > kGroupedSmemLimit);
+  for (const bool nvfp4 : {true, false}) {
+    const std::uint32_t row_bytes = grouped_scale_row_bytes(nvfp4);
+    for (int nt : kGroupedTokenTiles) {
+      const GroupedSmem s = grouped_smem(std::uint32_t(nt), row_bytes);
+      SCOPED_TRACE("tile " + std::to_string(nt) + (nvfp4 ? " nvfp4" : " mxfp4"));
+      EXPECT_LE(s.total, kGroupedSmemLimit);
+      EXPECT_GE(s.stages, 4u);  // deep enough to keep HBM busy
+      EXPECT_LE(s.stages, kGroupedMaxStages);
+      EXPECT_EQ(s.stage_bytes % 1024, 0u);              // 128-byte swizzle atoms of every stage
+      EXPECT_EQ(s.act_bytes, std::uint32_t(nt) * 256);  // two 64-K halves of nt rows of 128 bytes
+      // Weights, activations, then one scale row per weight row of the stage.
+      EXPECT_EQ(s.scale_offset, kGroupedWeightStageBytes + s.act_bytes);
+      EXPECT_EQ(s.stage_bytes, s.scale_offset + kGroupedRows * row_bytes);
+      EXPECT_EQ(s.scale_offset % 16, 0u);
+      EXPECT_EQ(s.barriers, s.stages * s.stage_bytes);
+      EXPECT_EQ(s.barriers % 8, 0u);
+      EXPECT_EQ(s.tables, s.barriers + 16 * s.stages);
+      EXPECT_GE(s.total, s.tables + 2 * std::uint32_t(nt) * 4 + 1023);  // the slack aligns the ring
+      // One more stage would not fit.
+      EXPECT_TRUE(s.stages == kGroupedMaxStages || s.total + s.stage_bytes + 16 > kGroupedSmemLimit);
+    }
   }
+  // One scale byte per 16 (NVFP4) / 32 (MXFP4) K of the 128-wide block.
+  EXPECT_EQ(grouped_scale_row_bytes(true), kGroupedKBlock / 16);
+  EXPECT_EQ(grouped_scale_row_bytes(false), kGroupedKBlock / 32);
 }
 
 // Tiles of one call as the routing kernel makes them: each expert's slots
@@ -269,8 +281,146 @@ TEST(GroupedPlan, ProducerRowTableHoldsEachThreadsRowsSideBySide) {
     if (grouped_consumers(nt).m_tiles == 2) EXPECT_LE(batch, 4) << nt;
     if (!grouped_batches_reads(n)) EXPECT_TRUE(vec == 1 && batch == 1) << nt;  // one read at a time
     // The table's two buffers start 16-byte aligned in shared memory.
-    EXPECT_EQ(grouped_smem(n).tables % 16, 0u) << nt;
+    for (const bool nvfp4 : {true, false})
+      EXPECT_EQ(grouped_smem(n, grouped_scale_row_bytes(nvfp4)).tables % 16, 0u) << nt;
     EXPECT_EQ((n * 4) % 16, 0u) << nt;
+  }
+}
+
+// Ring row j of a stage holds weight row grouped_weight_row(j) (its weights
+// from the TMA boxes, its scales from the producer's copies): the consumers'
+// fragment rows must read the scales of the weight rows they multiply.
+TEST(GroupedPlan, RingRowsAreTheWeightRowsOfTheTmaBoxesAndTheFragmentMap) {
+  for (const bool gate_up : {true, false}) {
+    for (const auto [g0, u0] : {std::pair{0u, 1024u}, std::pair{1024u, 0u}}) {  // w13 and w31 orders
+      for (const std::uint32_t rb : {0u, 3u}) {
+        SCOPED_TRACE(std::string(gate_up ? "gate/up" : "down") + " rb " + std::to_string(rb));
+        std::set<std::uint32_t> rows;
+        for (std::uint32_t j = 0; j < 256; ++j) {
+          const std::uint32_t r = grouped_weight_row(gate_up, j, rb, g0, u0);
+          rows.insert(r);
+          // The kernel's two TMA boxes: 128 rows from y0 at ring row 0, from y1 at 128.
+          const std::uint32_t y0 = gate_up ? g0 + rb * 128 : rb * 256, y1 = gate_up ? u0 + rb * 128 : y0 + 128;
+          EXPECT_EQ(r, (j < 128 ? y0 : y1) + j % 128) << j;
+        }
+        EXPECT_EQ(rows.size(), 256u);
+        // Fragment rows: gate/up pairs gate row o (h = 0) with up row o (h = 1)
+        // of output o = 128 rb + out_in_item; down reads rows 256 rb + out_in_item + 8h.
+        for (int q = 0; q < 4; ++q)
+          for (int wi = 0; wi < 4; ++wi)
+            for (int g = 0; g < 8; ++g)
+              for (int h = 0; h < 2; ++h) {
+                const std::uint32_t o = grouped_out_in_item(gate_up, q, wi, g);
+                const std::uint32_t want = gate_up ? (h == 0 ? g0 : u0) + rb * 128 + o : rb * 256 + o + 8 * h;
+                EXPECT_EQ(grouped_weight_row(gate_up, grouped_ring_row(gate_up, q, wi, g, h), rb, g0, u0), want);
+              }
+      }
+    }
+  }
+}
+
+std::uint8_t byte_of(std::uint32_t w, std::uint32_t b) { return std::uint8_t(w >> (8 * (b & 3u))); }
+// __byte_perm(x, y, s) on the host: byte i of the result is byte (s >> 4i) & 7 of y:x.
+std::uint32_t byte_perm(std::uint32_t x, std::uint32_t y, std::uint32_t s) {
+  const std::uint64_t xy = std::uint64_t(y) << 32 | x;
+  std::uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= std::uint32_t((xy >> (8 * ((s >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
+  return r;
+}
+
+// The scale path of the grouped kernel emulated on the host: the producer's
+// copies of each ring row's words (from grouped_weight_row, the row and K
+// block strides and, for the second row, grouped_scale_rows_apart), then each
+// consumer lane's word at grouped_scale_lane_byte and the byte selectors of
+// dense_scale_selectors. Every lane must get the bytes of its rows and
+// columns from the dense grid, row-major and swizzled, NVFP4 and MXFP4.
+TEST(GroupedPlan, RingScaleRowsGiveEachLaneItsGridBytes) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  for (const bool nvfp4 : {true, false}) {
+    for (const bool swizzled : {false, true}) {
+      for (const bool gate_up : {true, false}) {
+        // One expert: gate/up 2N x H, down H x N (K = H or N), N = 256, H = 512.
+        const std::uint32_t n = 256, h = 512, rows = gate_up ? 2 * n : h, k = gate_up ? h : n;
+        const std::uint32_t cols = k / (nvfp4 ? 16 : 32), pcols = swizzled ? (cols + 3) / 4 * 4 : cols;
+        const std::uint32_t g0 = gate_up ? n : 0, u0 = 0;  // the w31 order: up rows first
+        std::vector<std::uint8_t> grid(std::size_t(rows) * pcols);
+        for (auto& b : grid) b = std::uint8_t(rng());
+        const auto index = [&](std::uint32_t r, std::uint32_t c) -> std::size_t {
+          return swizzled ? swizzled_index(r, c, pcols) : std::size_t(r) * cols + c;
+        };
+        const std::uint32_t row_bytes = grouped_scale_row_bytes(nvfp4);
+        const std::uint32_t stride = grouped_scale_kb_stride(nvfp4, swizzled);
+        const std::int64_t apart = grouped_scale_rows_apart(swizzled, gate_up ? std::int64_t(u0) - g0 : 128, pcols);
+        const std::uint32_t row_blocks = gate_up ? n / 128 : h / 256;
+        SCOPED_TRACE(std::string(nvfp4 ? "nvfp4" : "mxfp4") + (swizzled ? " swizzled" : " row-major") +
+                     (gate_up ? " gate/up" : " down"));
+        for (std::uint32_t rb = 0; rb < row_blocks; ++rb) {
+          for (std::uint32_t kb = 0; kb < k / kGroupedKBlock; ++kb) {
+            std::vector<std::uint8_t> ring(256 * row_bytes);
+            for (std::uint32_t tid = 0; tid < 128; ++tid) {
+              const std::size_t first = index(grouped_weight_row(gate_up, tid, rb, g0, u0), 0) + kb * stride;
+              for (int second = 0; second < 2; ++second) {
+                const std::size_t src = std::size_t(std::int64_t(first) + (second ? apart : 0));
+                std::uint8_t* dst = ring.data() + (tid + 128 * second) * row_bytes;
+                // NVFP4 swizzled: two 4-byte words a tile apart; else one copy of row_bytes.
+                const std::uint32_t words = nvfp4 && swizzled ? 2 : 1, bytes = nvfp4 && swizzled ? 4 : row_bytes;
+                for (std::uint32_t w = 0; w < words; ++w) {
+                  ASSERT_EQ(src % bytes, 0u);  // the copy's alignment
+                  ASSERT_LE(src + w * 512 + bytes, grid.size());
+                  std::copy_n(grid.data() + src + w * 512, bytes, dst + w * 4);
+                }
+              }
+            }
+            for (std::uint32_t t = 0; t < 4; ++t) {
+              const std::uint32_t lane_byte = grouped_scale_lane_byte(nvfp4, t);
+              for (std::uint32_t j0 = 0; j0 < 256; j0 += 4) {
+                // A lane's four rows (here ring rows j0..j0 + 3) and their words.
+                std::uint32_t w[4], pos[4], sel[2];
+                for (int c = 0; c < 4; ++c) {
+                  std::memcpy(&w[c], ring.data() + (j0 + c) * row_bytes + (lane_byte & ~3u), 4);
+                  pos[c] = lane_byte & 3u;
+                }
+                if (nvfp4) {
+                  moe_detail::decode_bits::dense_scale_selectors<true>(pos, sel);
+                  for (int jj = 0; jj < 2; ++jj) {
+                    const std::uint32_t u = byte_perm(w[2 * jj], w[2 * jj + 1], sel[jj]);
+                    for (int b = 0; b < 4; ++b) {
+                      const std::uint32_t r = grouped_weight_row(gate_up, j0 + 2 * jj + b / 2, rb, g0, u0);
+                      const std::uint32_t c = 8 * kb + 2 * t + b % 2;
+                      ASSERT_EQ(byte_of(u, b), grid[index(r, c)]) << "kb " << kb << " t " << t << " row " << r;
+                    }
+                  }
+                } else {
+                  moe_detail::decode_bits::dense_scale_selectors<false>(pos, sel);
+                  const std::uint32_t u = byte_perm(byte_perm(w[0], w[1], sel[0]), byte_perm(w[2], w[3], sel[1]), 0x5410);
+                  for (int b = 0; b < 4; ++b) {
+                    const std::uint32_t r = grouped_weight_row(gate_up, j0 + b, rb, g0, u0);
+                    ASSERT_EQ(byte_of(u, b), grid[index(r, 4 * kb + t)]) << "kb " << kb << " t " << t << " row " << r;
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// grouped_scale_rows_apart against the grids' own addressing, for row
+// distances of whole 128-row tiles in both directions.
+TEST(GroupedPlan, ScaleRowsApartMatchesBothGridLayouts) {
+  CSFMOE_SEEDED(seed);
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < 2000; ++i) {
+    const std::uint32_t pcols = 4 * std::uint32_t(1 + rng() % 300), r = std::uint32_t(rng() % 4096);
+    const std::int64_t d = 128 * (std::int64_t(rng() % 64) - 32);
+    if (std::int64_t(r) + d < 0) continue;
+    const std::uint32_t c = std::uint32_t(rng() % pcols), r2 = std::uint32_t(std::int64_t(r) + d);
+    EXPECT_EQ(std::int64_t(swizzled_index(r2, c, pcols)) - std::int64_t(swizzled_index(r, c, pcols)),
+              grouped_scale_rows_apart(true, d, pcols));
+    EXPECT_EQ(std::int64_t(r2) * pcols - std::int64_t(r) * pcols, grouped_scale_rows_apart(false, d, pcols));
   }
 }
 

@@ -12,6 +12,25 @@
 
 namespace csfmoe::moe_detail::decode_bits {
 
+// __byte_perm selectors that gather a lane's scale bytes from its four rows'
+// aligned dense words (row c's word holds the lane's bytes from byte pos[c]):
+//   NVFP4 u[j] = (row 2j col 0, row 2j col 1, row 2j+1 col 0, row 2j+1 col 1)
+//     from words 2j, 2j + 1 by sel[j];
+//   MXFP4 u[0] = (row 0, row 1, row 2, row 3): sel[0] picks rows 0, 1 from
+//     words 0, 1, sel[1] rows 2, 3 from words 2, 3, and 0x5410 joins them.
+template <bool Nvfp4>
+CSFMOE_HD void dense_scale_selectors(const std::uint32_t (&pos)[4], std::uint32_t (&sel)[2]) {
+  if constexpr (Nvfp4) {
+    for (int j = 0; j < 2; ++j) {
+      const std::uint32_t p0 = pos[2 * j], p1 = pos[2 * j + 1] + 4;
+      sel[j] = p0 | (p0 + 1) << 4 | p1 << 8 | (p1 + 1) << 12;
+    }
+  } else {
+    sel[0] = pos[0] | (pos[1] + 4) << 4;
+    sel[1] = pos[2] | (pos[3] + 4) << 4;
+  }
+}
+
 // bf16 pair (value * 2^-126) of the E2M1 nibbles J and J + 4 of q (low half:
 // nibble J). Placing the 3 magnitude bits at bf16 bits 8..6 gives the value
 // times 2^-126 exactly (E2M1's subnormal 0.5 lands on bf16's subnormal range),

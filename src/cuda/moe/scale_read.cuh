@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "cuda/moe/dequant.cuh"
 #include "cuda/moe/launchers.hpp"
 #include "cuda/primitives/ptx.cuh"
 #include "moe/grouped_shape.hpp"
@@ -67,25 +68,9 @@ __device__ __forceinline__ std::uint8_t csf_fixed_scale(const ScaleSource& s, in
   }
 }
 
-// Dense scale words: a lane's four rows' aligned source words w.x..w.w (row
-// c's word holds the lane's bytes at byte pos[c]) and the __byte_perm
-// selectors that gather them (LaneScales::gather's layout of u):
-//   NVFP4 u[j] = (row 2j col 0, row 2j col 1, row 2j+1 col 0, row 2j+1 col 1),
-//   MXFP4 u[0] = (row 0, row 1, row 2, row 3).
-template <ScaleFormat F>
-__host__ __device__ __forceinline__ void dense_scale_selectors(const std::uint32_t (&pos)[4],
-                                                               std::uint32_t (&sel)[2]) {
-  if constexpr (F == ScaleFormat::nvfp4) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const std::uint32_t p0 = pos[2 * j], p1 = pos[2 * j + 1] + 4;
-      sel[j] = p0 | (p0 + 1) << 4 | p1 << 8 | (p1 + 1) << 12;
-    }
-  } else {
-    sel[0] = pos[0] | (pos[1] + 4) << 4;
-    sel[1] = pos[2] | (pos[3] + 4) << 4;
-  }
-}
+// Dense scale words: a lane's four rows' aligned source words w.x..w.w, and
+// the selectors of decode_bits::dense_scale_selectors (LaneScales::gather's
+// layout of u).
 template <ScaleFormat F>
 __device__ __forceinline__ void gather_dense_scale_bytes(const uint4& w, const std::uint32_t (&sel)[2],
                                                          std::uint32_t (&u)[F == ScaleFormat::nvfp4 ? 2 : 1]) {
@@ -160,7 +145,7 @@ struct LaneScales {
       at[c] = std::uint32_t(off) - (kMxCsf ? 0u : pos[c]);
     }
     if constexpr (!kCsf) {
-      dense_scale_selectors<F>(pos, sel);
+      decode_bits::dense_scale_selectors<F == ScaleFormat::nvfp4>(pos, sel);
     } else if constexpr (F == ScaleFormat::nvfp4) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -231,7 +216,9 @@ struct RingScales {
   static_assert(K != ScaleKind::csf, "the ring holds dense scales");
   static constexpr std::uint32_t kRowBytes = grouped_scale_row_bytes(F == ScaleFormat::nvfp4);
   static constexpr int kWords = LaneScales<F, K>::kWords;
-  static constexpr std::uint32_t kStride = LaneScales<F, K>::kStride;
+  static constexpr std::uint32_t kStride =
+      grouped_scale_kb_stride(F == ScaleFormat::nvfp4, K == ScaleKind::dense_swizzled);
+  static_assert(kStride == LaneScales<F, K>::kStride, "the words LaneScales reads");
 
   // Producer: copies one row's words of a K block (`src`: the row's word at
   // that K block, LaneScales::word) into `dst`, its ring row of a stage.
@@ -251,10 +238,10 @@ struct RingScales {
   std::uint32_t in_row;
   std::uint32_t sel[2];
   __device__ __forceinline__ explicit RingScales(std::uint32_t t) {
-    const std::uint32_t at = F == ScaleFormat::nvfp4 ? 2 * t : t;
+    const std::uint32_t at = grouped_scale_lane_byte(F == ScaleFormat::nvfp4, t);
     in_row = at & ~3u;
     const std::uint32_t pos[4] = {at & 3u, at & 3u, at & 3u, at & 3u};
-    dense_scale_selectors<F>(pos, sel);
+    decode_bits::dense_scale_selectors<F == ScaleFormat::nvfp4>(pos, sel);
   }
   // The lane's word of ring row `ring_row` in a stage's scale rows.
   __device__ __forceinline__ std::uint32_t word(const unsigned char* rows, std::uint32_t ring_row) const {
