@@ -34,6 +34,8 @@
 //               group of --grouped-groups (MoeBindOptions::grouped_tile_group,
 //               0 = the plan's) and routed (CSF), bitwise against native,
 //               and every run against the decode kernel (relative difference).
+// --grouped-ring-scales: every binding of the run copies the grouped kernel's
+//               block scales into its ring (MoeBindOptions::grouped_ring_scales).
 // --routing-one-block: native on the bound kernel again with the routing
 //               in one block (MoeBindOptions::routing_chunked_min_slots =
 //               0xFFFFFFFF) where the plan sorts in two passes (more than one
@@ -228,6 +230,7 @@ struct Args {
   std::uint32_t grouped_from = 64;
   std::string dump_draws;
   bool routing_one_block = false;
+  bool ring_scales = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -284,6 +287,8 @@ Args parse(int argc, char** argv) {
       a.dump_draws = val();
     } else if (k == "--routing-one-block") {
       a.routing_one_block = true;
+    } else if (k == "--grouped-ring-scales") {
+      a.ring_scales = true;
     } else if (k == "--no-prefill") {
       a.prefill.clear();
     } else if (k == "--no-peer") {
@@ -635,6 +640,7 @@ int main(int argc, char** argv) {
         }
         MoeBindOptions opt;
         opt.tuning = args.tuning;
+        opt.grouped_ring_scales = args.ring_scales;
         opt.force_mode = modes[m >= 4 ? 0 : m];
         if (m == 7) opt.programmatic_launch = false;
         if (m >= 4 && m <= 6) opt.grouped_min_tokens = 0xFFFFFFFFu;  // the forced kernel, not the grouped one
@@ -660,6 +666,7 @@ int main(int argc, char** argv) {
       if (args.routing_one_block) {
         MoeBindOptions opt;
         opt.tuning = args.tuning;
+        opt.grouped_ring_scales = args.ring_scales;
         opt.force_mode = modes[0];
         const bool two_passes =
             bind(*layer.wn, st, max_t, {ws, ws_bytes}, false, opt).call_plan(T).routing_chunked;
@@ -701,6 +708,7 @@ int main(int argc, char** argv) {
         MoeBindOptions opt;
         opt.force_mode = routed ? MoeScaleMode::routed : MoeScaleMode::native;
         opt.grouped_min_tokens = 1;
+        opt.grouped_ring_scales = args.ring_scales;
         opt.grouped_token_tile = tile;
         opt.grouped_tile_group = group;
         const BoundMoe b = bind(routed ? *layer.wc : *layer.wn, st, max_t, {ws, ws_bytes}, false, opt);
@@ -902,6 +910,7 @@ int main(int argc, char** argv) {
       ck(cudaMemcpy(hid, h.data(), h.size() * 2, cudaMemcpyHostToDevice), "hidden");
       MoeBindOptions opt;
       opt.tuning = args.tuning;
+      opt.grouped_ring_scales = args.ring_scales;
       const BoundMoe b = bind(*layer.wn, hi, max_t, {ws, ws_bytes}, false, opt);
       // b is bound to hi: the call runs there.
       overlap("the " + shape.name + " layer call, T = " + std::to_string(T) + " (" +

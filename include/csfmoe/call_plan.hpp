@@ -83,6 +83,14 @@ struct MoeBindOptions {
   // FP32 in slot order); true keeps FP32 slots, as the other kernels always
   // do (results differ in the last bits of the bf16 output).
   bool grouped_fp32_slots = false;
+  // The grouped kernel's block scales: false (the default) each consumer
+  // thread loads its own scale words from global memory two K blocks ahead;
+  // true the producer copies each stage's 256 scale rows into the ring beside
+  // the weights and the consumers read them from shared memory (no
+  // per-thread global loads in the main loop). Results are bit-identical
+  // either way; not the default until the H200 has measured it
+  // (docs/performance.md).
+  bool grouped_ring_scales = false;
   // On sm_90 and newer, launch the layer's kernels as programmatic dependents
   // of the one before (PDL): each may start while the previous one drains,
   // and the down GEMM streams its first weights before gate/up has finished.
@@ -169,6 +177,8 @@ struct MoeCallPlan {
   // whether the per-slot down outputs are bf16 (else FP32).
   std::uint32_t tile_group = 0;
   bool bf16_slots = false;
+  // Grouped kernel: block scales copied into the ring (grouped_ring_scales).
+  bool ring_scales = false;
   MoeDecodeShape gate_up, down;  // decode kernel only
   bool programmatic_launch = false;
   // The routing sorts in two grid-wide passes (MoeBindOptions::

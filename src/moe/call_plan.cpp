@@ -189,6 +189,7 @@ MoeCallPlan plan_call(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint3
     c.token_tile = grouped_token_tile(tokens, g.topk, g.experts, o.grouped_token_tile);
     c.tile_group = o.grouped_tile_group != 0 ? o.grouped_tile_group : kGroupedDefaultTileGroup;
     c.bf16_slots = !o.grouped_fp32_slots;
+    c.ring_scales = o.grouped_ring_scales;
     return c;
   }
   if (prefill_ok && prefill_size && c.mode != MoeScaleMode::stage_read)

@@ -251,11 +251,13 @@ MoeBindOptions options_for(MoeScaleMode mode, MoeKernel kernel) {
 
 std::vector<std::uint16_t> run_mode(const Layer& l, MoeScaleMode mode, const Inputs& in, Call& call,
                                     cudaStream_t s = nullptr, MoeKernel kernel = MoeKernel::decode,
-                                    std::uint32_t token_tile = 0, bool fp32_slots = false) {
+                                    std::uint32_t token_tile = 0, bool fp32_slots = false,
+                                    bool ring_scales = false) {
   const MoeWeights& w = l.weights_for(mode);
   MoeBindOptions opt = options_for(mode, kernel);
   opt.grouped_token_tile = token_tile;
   opt.grouped_fp32_slots = fp32_slots;
+  opt.grouped_ring_scales = ring_scales;
   const BoundMoe b = bind(w, s, call.max_tokens, call.workspace(), mode == MoeScaleMode::expanded, opt);
   EXPECT_EQ(b.mode_for(in.tokens), mode);
   EXPECT_EQ(b.kernel_for(in.tokens), expected_kernel(l.host.geometry, mode, kernel));
@@ -303,6 +305,15 @@ void check_all_modes(const Layer& l, const Inputs& in, Call& call, const std::st
         first = out;
       else
         EXPECT_TRUE(out == first) << "differs bitwise from native";
+      // The grouped kernel with its scales copied into the ring: the same bits.
+      if (kernel == MoeKernel::grouped) {
+        if (m == MoeScaleMode::routed) {
+          check(cudaMemset(l.scratch13.p, 0xFF, l.scratch13.n), "scratch poison");
+          check(cudaMemset(l.scratch2.p, 0xFF, l.scratch2.n), "scratch poison");
+        }
+        EXPECT_TRUE(run_mode(l, m, in, call, nullptr, kernel, 0, false, /*ring_scales=*/true) == first)
+            << "ring scales differ bitwise";
+      }
     }
   }
 }
@@ -531,6 +542,11 @@ TEST_F(GpuMoe, GroupedKernelEveryTokenTileUniformAndSkewedRouting) {
             else
               EXPECT_TRUE(out == first) << "differs bitwise from native";
           }
+          // Scales copied into the ring: the same bits, bf16 and FP32 slots.
+          SCOPED_TRACE("ring scales, tile " + std::to_string(nt));
+          EXPECT_TRUE(run_mode(l, MoeScaleMode::native, in, call, nullptr, MoeKernel::grouped, std::uint32_t(nt),
+                               false, /*ring_scales=*/true) == first)
+              << "ring scales differ bitwise";
           // FP32 per-slot outputs instead of bf16: the same bound, other last bits.
           SCOPED_TRACE("fp32 slots, tile " + std::to_string(nt));
           const auto f32 =
@@ -538,6 +554,9 @@ TEST_F(GpuMoe, GroupedKernelEveryTokenTileUniformAndSkewedRouting) {
                        /*fp32_slots=*/true);
           EXPECT_LT(relative_error(to_float(f32), ref), 1e-2);
           EXPECT_LT(relative_error(to_float(f32), to_float(first)), 1e-2);
+          EXPECT_TRUE(run_mode(l, MoeScaleMode::native, in, call, nullptr, MoeKernel::grouped, std::uint32_t(nt),
+                               /*fp32_slots=*/true, /*ring_scales=*/true) == f32)
+              << "ring scales differ bitwise (fp32 slots)";
         }
       }
     }

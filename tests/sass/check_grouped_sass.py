@@ -24,8 +24,9 @@ import subprocess
 import sys
 
 # Instantiations per token tile: formats x dense scale kinds x projections
-# (down, gate/up SiLU, gate/up gpt-oss: Projection in src/cuda/moe/launchers.hpp).
-PER_TILE = 2 * 2 * 3
+# (down, gate/up SiLU, gate/up gpt-oss: Projection in src/cuda/moe/launchers.hpp)
+# x scale paths (per-thread loads, ring scales: GroupedScalePaths).
+PER_TILE = 2 * 2 * 3 * 2
 SHAPE_HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src", "moe", "grouped_shape.hpp")
 
 
@@ -62,7 +63,7 @@ def functions(sass):
 
 def token_tile_of(name):
     """The token tile NT of a mangled moe_grouped_kernel<F, K, P, NT> name, or None."""
-    m = re.search(r"Li(\d+)EEEv", name)
+    m = re.search(r"Li(\d+)E(?:Lb[01]E)?EEv", name)
     return int(m.group(1)) if m else None
 
 

@@ -1,6 +1,6 @@
 // Runtime value -> template argument, one helper per axis of the MoE GEMM
 // kernels (scale format, scale kind, projection and activation, decode token pass, decode
-// ring copy, grouped token tile), each driven by one list. The launchers (tiled_launch.cu,
+// ring copy, grouped token tile and scale path), each driven by one list. The launchers (tiled_launch.cu,
 // decode_launch.cu, prefill_launch.cu) dispatch and configure their
 // instantiations through these, so adding a value to a list instantiates and
 // dispatches it everywhere:
@@ -64,6 +64,10 @@ using DecodeRingCopies = ValueList<1, 2>;  // K blocks per ring copy
 using GroupedTokenTiles = decltype(dispatch_detail::list_of<kGroupedTokenTiles>(
     std::make_index_sequence<kGroupedTokenTileCount>{}));
 
+// The grouped kernel's scale path: false each consumer thread loads its scale
+// words, true the producer copies them into the ring (ring scales).
+using GroupedScalePaths = ValueList<false, true>;
+
 static_assert(DecodeTokenPasses::size == 3 && int(GemmPath::decode_32) - int(GemmPath::decode_8) == 2,
               "one decode GemmPath per token pass");
 
@@ -107,6 +111,12 @@ template <class Fn>
 void dispatch_token_tile(std::uint32_t token_tile, Fn&& fn) {
   if (!dispatch_value(GroupedTokenTiles{}, int(token_tile), fn))
     dispatch_detail::no_instance("grouped token tile", token_tile);
+}
+
+template <class Fn>
+void dispatch_grouped_scale_path(bool ring_scales, Fn&& fn) {
+  if (!dispatch_value(GroupedScalePaths{}, ring_scales, fn))
+    dispatch_detail::no_instance("grouped scale path", int(ring_scales));
 }
 
 }  // namespace csfmoe::moe_detail

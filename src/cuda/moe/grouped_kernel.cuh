@@ -6,9 +6,10 @@
 //    item's FP4 weight rows into a ring of stages with 2-D TMA copies (two
 //    boxes of 128 rows x 64 bytes per 128-wide K block), all 128 gather the
 //    tile's activation rows with cp.async into the 128-byte-swizzled layout
-//    wgmma reads (padding rows are zero-filled) and copy the weight rows'
-//    block scales of the K block beside them (RingScales), and arrive on the
-//    stage's full barrier when their copies land. The other warpgroups consume
+//    wgmma reads (padding rows are zero-filled), with RingScales also the
+//    weight rows' block scales of the K block (ring scales, below), and
+//    arrive on the stage's full barrier when their copies land. The other
+//    warpgroups consume
 //    (setmaxnreg.inc), the item's 256 weight rows as the A operand from
 //    registers: two of 128 rows, or four of 64 in the smaller tiles
 //    (grouped_consumers).
@@ -22,14 +23,16 @@
 //    of p.tile_group tiles) with a fixed stride; producer and consumers walk
 //    it alike, so the producer streams the next item's weights while the
 //    consumers run the epilogue, in which they also read the next item's
-//    expert.
+//    expert and bring its first scale words into L1.
 //  * Operand order and scales as the prefill kernel (prefill_kernel.cuh):
 //    activations K-permuted in global memory (prefill_k_source), the decode
-//    kernel's E2M1 conversion; each consumer thread gathers its scale bytes
-//    from the stage's scale rows as LaneScales gathers them from global
-//    memory (the same words, so the same results); in the 128-row tile,
-//    MXFP4 scale pairs carry the nibbles' 2^126 (one multiply per pair)
-//    where the warp's bytes allow (grouped_fetches_mid_block).
+//    kernel's E2M1 conversion and LaneScales, whose words each consumer
+//    thread loads itself two K blocks ahead; in the 128-row tile, MXFP4
+//    scale pairs carry the nibbles' 2^126 (one multiply per pair) where the
+//    warp's bytes allow (grouped_fetches_mid_block). Ring scales
+//    (MoeBindOptions::grouped_ring_scales): the producer copies each stage's
+//    256 scale rows beside its weights and a consumer gathers the same words
+//    from shared memory (RingScales), so both give the same bits.
 //  * Epilogues. gate/up: SiLU(gate) * up to bf16, written per routed slot in
 //    the down projection's K order; down: bf16 per slot (FP32 on request)
 //    for the combine, which sums in FP32 in slot order. bf16 goes out in
@@ -84,7 +87,7 @@ constexpr bool grouped_second_tile_act_step_holds() {
 }
 static_assert(grouped_second_tile_act_step_holds());
 
-template <ScaleFormat F, ScaleKind K, Projection P, int NT>
+template <ScaleFormat F, ScaleKind K, Projection P, int NT, bool RingScaleRows>
 __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
     moe_grouped_kernel(const __grid_constant__ CUtensorMap wmap, GemmParams p) {
   constexpr bool GateUp = is_gate_up(P);
@@ -93,7 +96,7 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
   using namespace decode;
   using namespace ptx;
   using Ring = RingScales<F, K>;
-  constexpr GroupedSmem kSmem = grouped_smem(NT, Ring::kRowBytes);
+  constexpr GroupedSmem kSmem = grouped_smem(NT, RingScaleRows ? Ring::kRowBytes : 0);
   constexpr GroupedConsumers kCons = grouped_consumers(NT);
   constexpr int kMT = kCons.m_tiles, kChunks = 2 * kMT, kSteps = 4 * kMT;  // k32 steps per K block
   static_assert(kMT * kCons.groups == 4 && kCons.threads == 128 * (1 + kCons.groups));
@@ -155,13 +158,15 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
       const int y0 = int(std::uint32_t(e) * p.out_rows +
                          (GateUp ? p.gate_row0 + w.row_block * 128 : w.row_block * kGroupedRows));
       const int y1 = GateUp ? int(std::uint32_t(e) * p.out_rows + p.up_row0 + w.row_block * 128) : y0 + 128;
-      // The thread's scale rows of every stage, ring rows tid and tid + 128:
-      // the first's words at K block kb, the second's a fixed distance on
-      // (recomputed from the parameters at each use: the producer's 24
-      // registers hold no more).
-      const std::uint8_t* scale_src =
-          expert_scales<K>(p.scales, e) +
-          dense_index_in_expert<K>(p.scales, grouped_weight_row(GateUp, tid, w.row_block, p.gate_row0, p.up_row0), 0);
+      // Ring scales: the thread's scale rows of every stage, ring rows tid
+      // and tid + 128, the first's words at K block kb, the second's a fixed
+      // distance on (recomputed from the parameters at each use: the
+      // producer's 24 registers hold no more).
+      [[maybe_unused]] const std::uint8_t* scale_src =
+          RingScaleRows ? expert_scales<K>(p.scales, e) +
+                              dense_index_in_expert<K>(
+                                  p.scales, grouped_weight_row(GateUp, tid, w.row_block, p.gate_row0, p.up_row0), 0)
+                        : nullptr;
       for (std::uint32_t kb = 0; kb < kblocks; ++kb, ++it) {
         const std::uint32_t s = it % kStages, phase = (it / kStages) & 1u;
         mbarrier_wait(&empty[s], phase ^ 1u);
@@ -185,13 +190,15 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
             cp_async16_or_zero(act + std::uint32_t(a0 + v) * 8 * 128, p.a + (real ? off : 0u) + col, real);
           }
         }
-        unsigned char* scale_rows = stage + kSmem.scale_offset;
-        Ring::copy(scale_rows + tid * Ring::kRowBytes, scale_src);
-        Ring::copy(scale_rows + (tid + 128) * Ring::kRowBytes,
-                   scale_src + grouped_scale_rows_apart(K == ScaleKind::dense_swizzled,
-                                                        GateUp ? std::int64_t(p.up_row0) - p.gate_row0 : 128,
-                                                        p.scales.cols));
-        scale_src += Ring::kStride;
+        if constexpr (RingScaleRows) {
+          unsigned char* scale_rows = stage + kSmem.scale_offset;
+          Ring::copy(scale_rows + tid * Ring::kRowBytes, scale_src);
+          Ring::copy(scale_rows + (tid + 128) * Ring::kRowBytes,
+                     scale_src + grouped_scale_rows_apart(K == ScaleKind::dense_swizzled,
+                                                          GateUp ? std::int64_t(p.up_row0) - p.gate_row0 : 128,
+                                                          p.scales.cols));
+          scale_src += Ring::kStride;
+        }
         cp_async_arrive_noinc(&full[s]);
       }
     }
@@ -208,8 +215,23 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) ring_row[c] = grouped_ring_row(GateUp, wg * kMT + c / 2, wi, g, c % 2);
 
-  // The next item and its expert are read during this item's epilogue, so
-  // that an item starts without a dependent trip to global memory.
+  // The thread's scale reader of an item (pure arithmetic: no loads).
+  const auto scales_of = [&](const GroupedItem& w, int e) {
+    const std::uint32_t first = GateUp ? w.row_block * 128 : w.row_block * kGroupedRows;
+    // Weight rows of the chunks in the expert (gate/up: ring rows 0..127 are
+    // gate rows); LaneScales reads four rows, a one-tile consumer's twice.
+    std::uint32_t rows[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int cc = c % kChunks;
+      rows[c] = GateUp ? (cc % 2 == 0 ? p.gate_row0 : p.up_row0) + first + out_in_item(cc / 2)
+                       : first + ring_row[cc];
+    }
+    return LaneScales<F, K>(p.scales, expert_scales<K>(p.scales, e), rows, t);
+  };
+  // The next item and its expert are read during this item's epilogue, and
+  // the scale words of its first two K blocks brought into L1 there, so
+  // that an item starts without two dependent trips to global memory.
   GroupedItem next_w{};
   int next_e = 0;
   if (blockIdx.x < items) {
@@ -222,6 +244,17 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
     const GroupedItem w = next_w;
     const int e = next_e;
     const std::uint32_t first = GateUp ? w.row_block * 128 : w.row_block * kGroupedRows;
+    const LaneScales<F, K> lane_scales = scales_of(w, e);
+    // The scale words of K block kb from global memory (ring scales: none).
+    const auto load_words = [&](std::uint32_t kb) {
+      uint4 v{};
+      if constexpr (RingScaleRows) return v;
+      v.x = __ldg(lane_scales.word(0, kb));
+      v.y = __ldg(lane_scales.word(1, kb));
+      v.z = kMT == 2 ? __ldg(lane_scales.word(2, kb)) : v.x;
+      v.w = kMT == 2 ? __ldg(lane_scales.word(3, kb)) : v.y;
+      return v;
+    };
 
     float acc[kMT][NT / 2];
 #pragma unroll
@@ -235,31 +268,35 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
       if (lane == 0) mbarrier_arrive(&empty[s]);
     };
     // A K block's operands in registers: the thread's weight words and bf16
-    // scale pairs read from its stage (scale words of its four ring rows;
-    // a one-tile consumer's two, twice).
+    // scale pairs read from its stage.
     struct KOperands {
       uint4 wq[kChunks];
       std::uint32_t sp[4][2];
       bool unfolded;  // warp-uniform: MXFP4 pairs without the 2^126 fold
     };
-    const auto fetch = [&](std::uint32_t at, KOperands& o) {
+    const auto fetch = [&](std::uint32_t kb, std::uint32_t at, const uint4& words, KOperands& o) {
       const std::uint32_t s = at % kStages, phase = (at / kStages) & 1u;
       mbarrier_wait(&full[s], phase);
       const unsigned char* stage = smem + s * kSmem.stage_bytes;
 #pragma unroll
       for (int c = 0; c < kChunks; ++c)
         o.wq[c] = *reinterpret_cast<const uint4*>(stage + ring_row[c] * 64 + std::uint32_t(t) * 16);
-      const unsigned char* scale_rows = stage + kSmem.scale_offset;
-      // Rebuilt per K block from t (a few integer instructions): held across
-      // the item, its registers would spill in the 128-row down epilogue.
-      const Ring ring_scales{std::uint32_t(t)};
-      uint4 words;
-      words.x = ring_scales.word(scale_rows, ring_row[0]);
-      words.y = ring_scales.word(scale_rows, ring_row[1]);
-      words.z = kMT == 2 ? ring_scales.word(scale_rows, ring_row[2 % kChunks]) : words.x;
-      words.w = kMT == 2 ? ring_scales.word(scale_rows, ring_row[3 % kChunks]) : words.y;
-      std::uint32_t u[Ring::kWords];
-      ring_scales.gather(words, u);
+      std::uint32_t u[LaneScales<F, K>::kWords];
+      if constexpr (RingScaleRows) {
+        // Ring rows' words (a one-tile consumer's two, twice); the reader is
+        // rebuilt per K block from t (a few integer instructions): held
+        // across the item, its registers spill in the 128-row down epilogue.
+        const Ring ring_scales{std::uint32_t(t)};
+        const unsigned char* scale_rows = stage + kSmem.scale_offset;
+        uint4 ring_words;
+        ring_words.x = ring_scales.word(scale_rows, ring_row[0]);
+        ring_words.y = ring_scales.word(scale_rows, ring_row[1]);
+        ring_words.z = kMT == 2 ? ring_scales.word(scale_rows, ring_row[2 % kChunks]) : ring_words.x;
+        ring_words.w = kMT == 2 ? ring_scales.word(scale_rows, ring_row[3 % kChunks]) : ring_words.y;
+        ring_scales.gather(ring_words, u);
+      } else {
+        lane_scales.gather(words, kb, u);
+      }
       if constexpr (kFoldScales) {
         o.unfolded = scale_pairs_folded<F>(u, o.sp);
       } else {
@@ -299,31 +336,41 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
       prev_stage = s;
       ++it;
     };
+    // Scale words are loaded two K blocks ahead of their use.
+    uint4 words_even = load_words(0), words_odd = kblocks > 1 ? load_words(1) : uint4{};
     if constexpr (kFetchMidBlock) {
       // The next block's barrier wait, shared-memory loads and scale pairs
       // run while this block's last wgmmas are in flight.
       KOperands ops_even, ops_odd;
-      const auto k_block = [&](std::uint32_t kb, const KOperands& o, KOperands& next) {
+      const auto k_block = [&](std::uint32_t kb, const KOperands& o, KOperands& next,
+                               const uint4& next_words) {
         k_steps(kb, o, [&](int step) {
-          if (step == kGroupedFetchStep && kb + 1 < kblocks) fetch(it + 1, next);
+          if (step == kGroupedFetchStep && kb + 1 < kblocks) fetch(kb + 1, it + 1, next_words, next);
         });
       };
-      fetch(it, ops_even);
+      fetch(0, it, words_even, ops_even);
+      if (kblocks > 2) words_even = load_words(2);
       for (std::uint32_t kb = 0; kb < kblocks; kb += 2) {
-        k_block(kb, ops_even, ops_odd);
-        if (kb + 1 < kblocks) k_block(kb + 1, ops_odd, ops_even);
+        k_block(kb, ops_even, ops_odd, words_odd);
+        if (kb + 3 < kblocks) words_odd = load_words(kb + 3);
+        if (kb + 1 < kblocks) {
+          k_block(kb + 1, ops_odd, ops_even, words_even);
+          if (kb + 4 < kblocks) words_even = load_words(kb + 4);
+        }
       }
     } else {
-      const auto k_block = [&](std::uint32_t kb) {
+      const auto k_block = [&](std::uint32_t kb, const uint4& words) {
         KOperands o;
-        fetch(it, o);
+        fetch(kb, it, words, o);
         k_steps(kb, o, [](int) {});
       };
-      // Two K blocks per trip: ptxas then keeps the wgmmas of the loop
-      // asynchronous (one block per trip serializes them, C7513).
       for (std::uint32_t kb = 0; kb < kblocks; kb += 2) {
-        k_block(kb);
-        if (kb + 1 < kblocks) k_block(kb + 1);
+        k_block(kb, words_even);
+        if (kb + 2 < kblocks) words_even = load_words(kb + 2);
+        if (kb + 1 < kblocks) {
+          k_block(kb + 1, words_odd);
+          if (kb + 3 < kblocks) words_odd = load_words(kb + 3);
+        }
       }
     }
     wgmma_wait<0>();
@@ -337,12 +384,22 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
     // (row g + 8, same token) of the warp's m16 tile.
     const float gs = (p.global ? p.global[e] : 1.0f) * kDecodeUnfold<F>;
     const int* tile_slots = p.sorted_slot + std::uint64_t(w.tile) * NT;
-    // The next item's expert, read while this epilogue runs.
+    // The next item's expert now, its first scale words into L1 halfway
+    // through the epilogue.
     const std::uint32_t next_item = item + gridDim.x;
     if (next_item < items) {
       next_w = grouped_item(next_item, tiles, row_blocks, p.tile_group);
       next_e = p.tile_expert[next_w.tile];
     }
+    const auto start_next = [&](int j) {
+      if (RingScaleRows || j != NT / 16 || next_item >= items) return;
+      const LaneScales<F, K> ls = scales_of(next_w, next_e);
+#pragma unroll
+      for (int c = 0; c < 2 * kMT; ++c) {
+        prefetch_l1(ls.word(c, 0));
+        if (kblocks > 1) prefetch_l1(ls.word(c, 1));
+      }
+    };
     if (GateUp || p.slot_out16 != nullptr) {
       // bf16 outputs leave in pairs of adjacent columns, one 4-byte store per
       // pair: the lane groups g and g ^ kPairBit hold neighbouring columns
@@ -369,6 +426,7 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
           (first + grouped_out_in_item(GateUp, wg * kMT, wi, eg)) & ~std::uint32_t(kPairBit));
 #pragma unroll
       for (int j = 0; j < NT / 8; ++j) {
+        start_next(j);
         if (j % kSlotBatch == 0) {
 #pragma unroll
           for (int i = 0; i < kSlotBatch; ++i) slots[i] = tile_slots[8 * (j + i) + 2 * et + b];
@@ -411,6 +469,7 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
     } else {
 #pragma unroll
       for (int j = 0; j < NT / 8; ++j) {
+        start_next(j);
 #pragma unroll
         for (int v = 0; v < 2; ++v) {
           const int slot = tile_slots[8 * j + 2 * t + v];

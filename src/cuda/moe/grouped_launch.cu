@@ -50,15 +50,15 @@ CUtensorMap weight_map(const GemmParams& p, std::uint32_t experts) {
   return map;
 }
 
-template <ScaleFormat F, int NT>
+template <ScaleFormat F, int NT, bool R>
 constexpr GroupedSmem grouped_smem_of() {
-  return grouped_smem(NT, grouped_scale_row_bytes(F == ScaleFormat::nvfp4));
+  return grouped_smem(NT, R ? grouped_scale_row_bytes(F == ScaleFormat::nvfp4) : 0);
 }
 
-template <ScaleFormat F, ScaleKind K, Projection P, int NT>
+template <ScaleFormat F, ScaleKind K, Projection P, int NT, bool R>
 void grouped_launch(const CUtensorMap& map, const GemmParams& p, cudaStream_t stream) {
-  launch_kernel("moe grouped GEMM", p.chained, &moe_grouped_kernel<F, K, P, NT>, dim3(p.sm_count),
-                dim3(grouped_consumers(NT).threads), grouped_smem_of<F, NT>().total, stream, map, p);
+  launch_kernel("moe grouped GEMM", p.chained, &moe_grouped_kernel<F, K, P, NT, R>, dim3(p.sm_count),
+                dim3(grouped_consumers(NT).threads), grouped_smem_of<F, NT, R>().total, stream, map, p);
 }
 
 }  // namespace
@@ -73,27 +73,32 @@ bool configure_grouped_kernels(int device) {
   if (prop.major != 9 || prop.minor != 0 || tensor_map_encoder() == nullptr) return false;
   bool fits = true;
   for_each_value(ScaleFormats{}, [&]<ScaleFormat F>() {
-    for_each_value(GroupedTokenTiles{},
-                   [&]<int NT>() { fits = fits && prop.sharedMemPerBlockOptin >= grouped_smem_of<F, NT>().total; });
+    for_each_value(GroupedTokenTiles{}, [&]<int NT>() {
+      for_each_value(GroupedScalePaths{}, [&]<bool R>() {
+        fits = fits && prop.sharedMemPerBlockOptin >= grouped_smem_of<F, NT, R>().total;
+      });
+    });
   });
   if (!fits) return false;
   for_each_value(ScaleFormats{}, [&]<ScaleFormat F>() {
     for_each_value(DenseScaleKinds{}, [&]<ScaleKind K>() {
       for_each_value(Projections{}, [&]<Projection P>() {
         for_each_value(GroupedTokenTiles{}, [&]<int NT>() {
-          // setmaxnreg.inc waits until the registers are free in the pool the
-          // CTA got at launch: a split beyond it would hang, so such a build
-          // leaves the grouped kernels unused.
-          cudaFuncAttributes attr{};
-          CSFMOE_CUDA_CHECK_WHAT(cudaFuncGetAttributes(&attr, &moe_grouped_kernel<F, K, P, NT>),
-                                 "read the grouped MoE kernels' attributes");
-          constexpr GroupedConsumers c = grouped_consumers(NT);
-          fits = fits && 128 * c.producer_regs + 128 * c.groups * c.consumer_regs <= c.threads * attr.numRegs;
-          CSFMOE_CUDA_CHECK_WHAT(
-              cudaFuncSetAttribute(&moe_grouped_kernel<F, K, P, NT>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, int(grouped_smem_of<F, NT>().total)),
-              "configure the grouped MoE kernels (" + std::to_string(grouped_smem_of<F, NT>().total) +
-                  " bytes of shared memory)");
+          for_each_value(GroupedScalePaths{}, [&]<bool R>() {
+            // setmaxnreg.inc waits until the registers are free in the pool the
+            // CTA got at launch: a split beyond it would hang, so such a build
+            // leaves the grouped kernels unused.
+            cudaFuncAttributes attr{};
+            CSFMOE_CUDA_CHECK_WHAT(cudaFuncGetAttributes(&attr, &moe_grouped_kernel<F, K, P, NT, R>),
+                                   "read the grouped MoE kernels' attributes");
+            constexpr GroupedConsumers c = grouped_consumers(NT);
+            fits = fits && 128 * c.producer_regs + 128 * c.groups * c.consumer_regs <= c.threads * attr.numRegs;
+            constexpr std::uint32_t smem = grouped_smem_of<F, NT, R>().total;
+            CSFMOE_CUDA_CHECK_WHAT(cudaFuncSetAttribute(&moe_grouped_kernel<F, K, P, NT, R>,
+                                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+                                   "configure the grouped MoE kernels (" + std::to_string(smem) +
+                                       " bytes of shared memory)");
+          });
         });
       });
     });
@@ -101,15 +106,18 @@ bool configure_grouped_kernels(int device) {
   return fits;
 }
 
-void launch_grouped(ScaleFormat f, bool gate_up, std::uint32_t token_tile, std::uint32_t experts,
-                    const GemmParams& p, cudaStream_t stream) {
+void launch_grouped(ScaleFormat f, bool gate_up, std::uint32_t token_tile, bool ring_scales,
+                    std::uint32_t experts, const GemmParams& p, cudaStream_t stream) {
   if (p.scales.kind == ScaleKind::csf)
     throw Unsupported("grouped MoE kernel: stage-read CSF scales run on the decode kernel");
   const CUtensorMap map = weight_map(p, experts);
   dispatch_format(f, [&]<ScaleFormat F>() {
     dispatch_dense_scale_kind(p.scales.kind, [&]<ScaleKind K>() {
       dispatch_projection(gate_up, p.activation, [&]<Projection P>() {
-        dispatch_token_tile(token_tile, [&]<int NT>() { grouped_launch<F, K, P, NT>(map, p, stream); });
+        dispatch_token_tile(token_tile, [&]<int NT>() {
+          dispatch_grouped_scale_path(ring_scales,
+                                      [&]<bool R>() { grouped_launch<F, K, P, NT, R>(map, p, stream); });
+        });
       });
     });
   });

@@ -144,10 +144,11 @@ void launch_prefill(ScaleFormat f, bool gate_up, const GemmParams& p, cudaStream
 // memory there). They read the prefill kernel's K-permuted activations; the
 // routing must be in tiles of `token_tile` rows, act is indexed by slot
 // (t * k + j) and gate/up writes it K-permuted for down. The grid is one
-// persistent CTA per SM (p.sm_count).
+// persistent CTA per SM (p.sm_count). ring_scales: the producer copies the
+// block scales into the ring (MoeBindOptions::grouped_ring_scales).
 bool configure_grouped_kernels(int device);
-void launch_grouped(ScaleFormat f, bool gate_up, std::uint32_t token_tile, std::uint32_t experts,
-                    const GemmParams& p, cudaStream_t stream);
+void launch_grouped(ScaleFormat f, bool gate_up, std::uint32_t token_tile, bool ring_scales,
+                    std::uint32_t experts, const GemmParams& p, cudaStream_t stream);
 
 struct CombineParams {
   const float* slot_out = nullptr;            // per-slot outputs, f32 ...

@@ -528,7 +528,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   }
   gp.tile_group = plan.tile_group;
   if (grouped)
-    moe_detail::launch_grouped(p.format, true, plan.token_tile, g.experts, gp, b.stream_);
+    moe_detail::launch_grouped(p.format, true, plan.token_tile, plan.ring_scales, g.experts, gp, b.stream_);
   else
     moe_detail::launch_gate_up(p.format, path, gp, b.stream_);
 
@@ -546,7 +546,7 @@ void run(const BoundMoe& b, const void* hidden, std::uint32_t tokens, const void
   dp.decode = plan.down;
   if (plan.bf16_slots) dp.slot_out16 = reinterpret_cast<std::uint16_t*>(slot_out);
   if (grouped)
-    moe_detail::launch_grouped(p.format, false, plan.token_tile, g.experts, dp, b.stream_);
+    moe_detail::launch_grouped(p.format, false, plan.token_tile, plan.ring_scales, g.experts, dp, b.stream_);
   else
     moe_detail::launch_down(p.format, path, dp, b.stream_);
 
