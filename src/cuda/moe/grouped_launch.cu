@@ -1,5 +1,7 @@
-// Instantiations, tensor maps and dispatch of the grouped (warp-specialized,
-// persistent) MoE GEMMs.
+// Host side of the grouped (warp-specialized, persistent) MoE GEMMs: the
+// weights' tensor map, the device check and the dispatch to the scale path's
+// instantiations (grouped_path.cuh, one translation unit per path so that
+// they compile in parallel).
 #include <cudaTypedefs.h>
 
 #include <mutex>
@@ -7,9 +9,7 @@
 
 #include "csfmoe/errors.hpp"
 #include "cuda/moe/dispatch.hpp"
-#include "cuda/moe/grouped_kernel.cuh"
-#include "cuda/primitives/cuda_check.hpp"
-#include "cuda/primitives/launch.cuh"
+#include "cuda/moe/grouped_path.hpp"
 
 namespace csfmoe::moe_detail {
 
@@ -50,17 +50,6 @@ CUtensorMap weight_map(const GemmParams& p, std::uint32_t experts) {
   return map;
 }
 
-template <ScaleFormat F, int NT, bool R>
-constexpr GroupedSmem grouped_smem_of() {
-  return grouped_smem(NT, R ? grouped_scale_row_bytes(F == ScaleFormat::nvfp4) : 0);
-}
-
-template <ScaleFormat F, ScaleKind K, Projection P, int NT, bool R>
-void grouped_launch(const CUtensorMap& map, const GemmParams& p, cudaStream_t stream) {
-  launch_kernel("moe grouped GEMM", p.chained, &moe_grouped_kernel<F, K, P, NT, R>, dim3(p.sm_count),
-                dim3(grouped_consumers(NT).threads), grouped_smem_of<F, NT, R>().total, stream, map, p);
-}
-
 }  // namespace
 
 bool configure_grouped_kernels(int device) {
@@ -72,37 +61,7 @@ bool configure_grouped_kernels(int device) {
   // wgmma, setmaxnreg and TMA: this build's sm_90a code.
   if (prop.major != 9 || prop.minor != 0 || tensor_map_encoder() == nullptr) return false;
   bool fits = true;
-  for_each_value(ScaleFormats{}, [&]<ScaleFormat F>() {
-    for_each_value(GroupedTokenTiles{}, [&]<int NT>() {
-      for_each_value(GroupedScalePaths{}, [&]<bool R>() {
-        fits = fits && prop.sharedMemPerBlockOptin >= grouped_smem_of<F, NT, R>().total;
-      });
-    });
-  });
-  if (!fits) return false;
-  for_each_value(ScaleFormats{}, [&]<ScaleFormat F>() {
-    for_each_value(DenseScaleKinds{}, [&]<ScaleKind K>() {
-      for_each_value(Projections{}, [&]<Projection P>() {
-        for_each_value(GroupedTokenTiles{}, [&]<int NT>() {
-          for_each_value(GroupedScalePaths{}, [&]<bool R>() {
-            // setmaxnreg.inc waits until the registers are free in the pool the
-            // CTA got at launch: a split beyond it would hang, so such a build
-            // leaves the grouped kernels unused.
-            cudaFuncAttributes attr{};
-            CSFMOE_CUDA_CHECK_WHAT(cudaFuncGetAttributes(&attr, &moe_grouped_kernel<F, K, P, NT, R>),
-                                   "read the grouped MoE kernels' attributes");
-            constexpr GroupedConsumers c = grouped_consumers(NT);
-            fits = fits && 128 * c.producer_regs + 128 * c.groups * c.consumer_regs <= c.threads * attr.numRegs;
-            constexpr std::uint32_t smem = grouped_smem_of<F, NT, R>().total;
-            CSFMOE_CUDA_CHECK_WHAT(cudaFuncSetAttribute(&moe_grouped_kernel<F, K, P, NT, R>,
-                                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-                                   "configure the grouped MoE kernels (" + std::to_string(smem) +
-                                       " bytes of shared memory)");
-          });
-        });
-      });
-    });
-  });
+  for_each_value(GroupedScalePaths{}, [&]<bool R>() { fits = configure_grouped_path<R>(prop) && fits; });
   return fits;
 }
 
@@ -111,16 +70,8 @@ void launch_grouped(ScaleFormat f, bool gate_up, std::uint32_t token_tile, bool 
   if (p.scales.kind == ScaleKind::csf)
     throw Unsupported("grouped MoE kernel: stage-read CSF scales run on the decode kernel");
   const CUtensorMap map = weight_map(p, experts);
-  dispatch_format(f, [&]<ScaleFormat F>() {
-    dispatch_dense_scale_kind(p.scales.kind, [&]<ScaleKind K>() {
-      dispatch_projection(gate_up, p.activation, [&]<Projection P>() {
-        dispatch_token_tile(token_tile, [&]<int NT>() {
-          dispatch_grouped_scale_path(ring_scales,
-                                      [&]<bool R>() { grouped_launch<F, K, P, NT, R>(map, p, stream); });
-        });
-      });
-    });
-  });
+  dispatch_grouped_scale_path(ring_scales,
+                              [&]<bool R>() { launch_grouped_path<R>(f, gate_up, token_tile, map, p, stream); });
 }
 
 }  // namespace csfmoe::moe_detail

@@ -1,0 +1,10 @@
+// The grouped MoE GEMMs whose each consumer thread loads its own scale words (grouped_path.hpp).
+#include "cuda/moe/grouped_path.cuh"
+
+namespace csfmoe::moe_detail {
+
+template bool configure_grouped_path<false>(const cudaDeviceProp& prop);
+template void launch_grouped_path<false>(ScaleFormat f, bool gate_up, std::uint32_t token_tile,
+                                         const CUtensorMap& map, const GemmParams& p, cudaStream_t stream);
+
+}  // namespace csfmoe::moe_detail
