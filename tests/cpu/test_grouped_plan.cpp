@@ -6,8 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <set>
 #include <string>
@@ -15,8 +15,8 @@
 
 #include "csfmoe/call_plan.hpp"
 #include "csfmoe/errors.hpp"
-#include "moe/call_plan.hpp"
 #include "cuda/moe/dequant.cuh"
+#include "moe/call_plan.hpp"
 #include "moe/grouped_shape.hpp"
 #include "test_seed.hpp"
 
@@ -300,7 +300,8 @@ TEST(GroupedPlan, RingRowsAreTheWeightRowsOfTheTmaBoxesAndTheFragmentMap) {
           const std::uint32_t r = grouped_weight_row(gate_up, j, rb, g0, u0);
           rows.insert(r);
           // The kernel's two TMA boxes: 128 rows from y0 at ring row 0, from y1 at 128.
-          const std::uint32_t y0 = gate_up ? g0 + rb * 128 : rb * 256, y1 = gate_up ? u0 + rb * 128 : y0 + 128;
+          const std::uint32_t y0 = gate_up ? g0 + rb * 128 : rb * 256,
+                              y1 = gate_up ? u0 + rb * 128 : y0 + 128;
           EXPECT_EQ(r, (j < 128 ? y0 : y1) + j % 128) << j;
         }
         EXPECT_EQ(rows.size(), 256u);
@@ -312,7 +313,8 @@ TEST(GroupedPlan, RingRowsAreTheWeightRowsOfTheTmaBoxesAndTheFragmentMap) {
               for (int h = 0; h < 2; ++h) {
                 const std::uint32_t o = grouped_out_in_item(gate_up, q, wi, g);
                 const std::uint32_t want = gate_up ? (h == 0 ? g0 : u0) + rb * 128 + o : rb * 256 + o + 8 * h;
-                EXPECT_EQ(grouped_weight_row(gate_up, grouped_ring_row(gate_up, q, wi, g, h), rb, g0, u0), want);
+                EXPECT_EQ(grouped_weight_row(gate_up, grouped_ring_row(gate_up, q, wi, g, h), rb, g0, u0),
+                          want);
               }
       }
     }
@@ -351,7 +353,8 @@ TEST(GroupedPlan, RingScaleRowsGiveEachLaneItsGridBytes) {
         };
         const std::uint32_t row_bytes = grouped_scale_row_bytes(nvfp4);
         const std::uint32_t stride = grouped_scale_kb_stride(nvfp4, swizzled);
-        const std::int64_t apart = grouped_scale_rows_apart(swizzled, gate_up ? std::int64_t(u0) - g0 : 128, pcols);
+        const std::int64_t apart =
+            grouped_scale_rows_apart(swizzled, gate_up ? std::int64_t(u0) - g0 : 128, pcols);
         const std::uint32_t row_blocks = gate_up ? n / 128 : h / 256;
         SCOPED_TRACE(std::string(nvfp4 ? "nvfp4" : "mxfp4") + (swizzled ? " swizzled" : " row-major") +
                      (gate_up ? " gate/up" : " down"));
@@ -364,7 +367,8 @@ TEST(GroupedPlan, RingScaleRowsGiveEachLaneItsGridBytes) {
                 const std::size_t src = std::size_t(std::int64_t(first) + (second ? apart : 0));
                 std::uint8_t* dst = ring.data() + (tid + 128 * second) * row_bytes;
                 // NVFP4 swizzled: two 4-byte words a tile apart; else one copy of row_bytes.
-                const std::uint32_t words = nvfp4 && swizzled ? 2 : 1, bytes = nvfp4 && swizzled ? 4 : row_bytes;
+                const std::uint32_t words = nvfp4 && swizzled ? 2 : 1,
+                                    bytes = nvfp4 && swizzled ? 4 : row_bytes;
                 for (std::uint32_t w = 0; w < words; ++w) {
                   ASSERT_EQ(src % bytes, 0u);  // the copy's alignment
                   ASSERT_LE(src + w * 512 + bytes, grid.size());
@@ -388,15 +392,18 @@ TEST(GroupedPlan, RingScaleRowsGiveEachLaneItsGridBytes) {
                     for (int b = 0; b < 4; ++b) {
                       const std::uint32_t r = grouped_weight_row(gate_up, j0 + 2 * jj + b / 2, rb, g0, u0);
                       const std::uint32_t c = 8 * kb + 2 * t + b % 2;
-                      ASSERT_EQ(byte_of(u, b), grid[index(r, c)]) << "kb " << kb << " t " << t << " row " << r;
+                      ASSERT_EQ(byte_of(u, b), grid[index(r, c)])
+                          << "kb " << kb << " t " << t << " row " << r;
                     }
                   }
                 } else {
                   moe_detail::decode_bits::dense_scale_selectors<false>(pos, sel);
-                  const std::uint32_t u = byte_perm(byte_perm(w[0], w[1], sel[0]), byte_perm(w[2], w[3], sel[1]), 0x5410);
+                  const std::uint32_t u =
+                      byte_perm(byte_perm(w[0], w[1], sel[0]), byte_perm(w[2], w[3], sel[1]), 0x5410);
                   for (int b = 0; b < 4; ++b) {
                     const std::uint32_t r = grouped_weight_row(gate_up, j0 + b, rb, g0, u0);
-                    ASSERT_EQ(byte_of(u, b), grid[index(r, 4 * kb + t)]) << "kb " << kb << " t " << t << " row " << r;
+                    ASSERT_EQ(byte_of(u, b), grid[index(r, 4 * kb + t)])
+                        << "kb " << kb << " t " << t << " row " << r;
                   }
                 }
               }
@@ -459,6 +466,13 @@ TEST(GroupedPlan, CallPlanChoosesTheGroupedKernelFromFiveRowsPerExpert) {
   EXPECT_NE(plan_call(odd, h200(), 4096, false, false, o).kernel, MoeKernel::grouped);
   o.grouped_fp32_slots = true;
   EXPECT_FALSE(plan_call(native, h200(), 8192, false, false, o).bf16_slots);
+  // Ring scales only on request, and only for the grouped kernel.
+  EXPECT_FALSE(plan_call(native, h200(), 8192, false, false, o).ring_scales);
+  o.grouped_ring_scales = true;
+  EXPECT_TRUE(plan_call(native, h200(), 8192, false, false, o).ring_scales);
+  EXPECT_FALSE(plan_call(native, h200(), 1, false, false, o).ring_scales);  // decode
+  EXPECT_FALSE(plan_call(native, old, 8192, false, false, o).ring_scales);  // prefill
+  o.grouped_ring_scales = false;
   // Calls whose activation offsets would not fit the producer's 32 bits run the prefill kernel.
   EXPECT_TRUE(grouped_offsets_fit(16384, 8, 7168, 2048));
   EXPECT_FALSE(grouped_offsets_fit(600000, 8, 7168, 2048));  // 600000 * 7168 >= 2^32

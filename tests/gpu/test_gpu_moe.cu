@@ -544,8 +544,8 @@ TEST_F(GpuMoe, GroupedKernelEveryTokenTileUniformAndSkewedRouting) {
           }
           // Scales copied into the ring: the same bits, bf16 and FP32 slots.
           SCOPED_TRACE("ring scales, tile " + std::to_string(nt));
-          EXPECT_TRUE(run_mode(l, MoeScaleMode::native, in, call, nullptr, MoeKernel::grouped, std::uint32_t(nt),
-                               false, /*ring_scales=*/true) == first)
+          EXPECT_TRUE(run_mode(l, MoeScaleMode::native, in, call, nullptr, MoeKernel::grouped,
+                               std::uint32_t(nt), false, /*ring_scales=*/true) == first)
               << "ring scales differ bitwise";
           // FP32 per-slot outputs instead of bf16: the same bound, other last bits.
           SCOPED_TRACE("fp32 slots, tile " + std::to_string(nt));
@@ -554,7 +554,8 @@ TEST_F(GpuMoe, GroupedKernelEveryTokenTileUniformAndSkewedRouting) {
                        /*fp32_slots=*/true);
           EXPECT_LT(relative_error(to_float(f32), ref), 1e-2);
           EXPECT_LT(relative_error(to_float(f32), to_float(first)), 1e-2);
-          EXPECT_TRUE(run_mode(l, MoeScaleMode::native, in, call, nullptr, MoeKernel::grouped, std::uint32_t(nt),
+          EXPECT_TRUE(run_mode(l, MoeScaleMode::native, in, call, nullptr, MoeKernel::grouped,
+                               std::uint32_t(nt),
                                /*fp32_slots=*/true, /*ring_scales=*/true) == f32)
               << "ring scales differ bitwise (fp32 slots)";
         }

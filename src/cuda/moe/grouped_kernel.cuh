@@ -163,10 +163,11 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
       // distance on (recomputed from the parameters at each use: the
       // producer's 24 registers hold no more).
       [[maybe_unused]] const std::uint8_t* scale_src =
-          RingScaleRows ? expert_scales<K>(p.scales, e) +
-                              dense_index_in_expert<K>(
-                                  p.scales, grouped_weight_row(GateUp, tid, w.row_block, p.gate_row0, p.up_row0), 0)
-                        : nullptr;
+          RingScaleRows
+              ? expert_scales<K>(p.scales, e) +
+                    dense_index_in_expert<K>(
+                        p.scales, grouped_weight_row(GateUp, tid, w.row_block, p.gate_row0, p.up_row0), 0)
+              : nullptr;
       for (std::uint32_t kb = 0; kb < kblocks; ++kb, ++it) {
         const std::uint32_t s = it % kStages, phase = (it / kStages) & 1u;
         mbarrier_wait(&empty[s], phase ^ 1u);
@@ -194,9 +195,9 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
           unsigned char* scale_rows = stage + kSmem.scale_offset;
           Ring::copy(scale_rows + tid * Ring::kRowBytes, scale_src);
           Ring::copy(scale_rows + (tid + 128) * Ring::kRowBytes,
-                     scale_src + grouped_scale_rows_apart(K == ScaleKind::dense_swizzled,
-                                                          GateUp ? std::int64_t(p.up_row0) - p.gate_row0 : 128,
-                                                          p.scales.cols));
+                     scale_src + grouped_scale_rows_apart(
+                                     K == ScaleKind::dense_swizzled,
+                                     GateUp ? std::int64_t(p.up_row0) - p.gate_row0 : 128, p.scales.cols));
           scale_src += Ring::kStride;
         }
         cp_async_arrive_noinc(&full[s]);

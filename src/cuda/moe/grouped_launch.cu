@@ -70,8 +70,8 @@ void launch_grouped(ScaleFormat f, bool gate_up, std::uint32_t token_tile, bool 
   if (p.scales.kind == ScaleKind::csf)
     throw Unsupported("grouped MoE kernel: stage-read CSF scales run on the decode kernel");
   const CUtensorMap map = weight_map(p, experts);
-  dispatch_grouped_scale_path(ring_scales,
-                              [&]<bool R>() { launch_grouped_path<R>(f, gate_up, token_tile, map, p, stream); });
+  dispatch_grouped_scale_path(
+      ring_scales, [&]<bool R>() { launch_grouped_path<R>(f, gate_up, token_tile, map, p, stream); });
 }
 
 }  // namespace csfmoe::moe_detail

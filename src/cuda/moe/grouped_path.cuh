@@ -27,8 +27,9 @@ template <bool R>
 bool configure_grouped_path(const cudaDeviceProp& prop) {
   bool fits = true;
   for_each_value(ScaleFormats{}, [&]<ScaleFormat F>() {
-    for_each_value(GroupedTokenTiles{},
-                   [&]<int NT>() { fits = fits && prop.sharedMemPerBlockOptin >= grouped_smem_of<F, NT, R>().total; });
+    for_each_value(GroupedTokenTiles{}, [&]<int NT>() {
+      fits = fits && prop.sharedMemPerBlockOptin >= grouped_smem_of<F, NT, R>().total;
+    });
   });
   if (!fits) return false;
   for_each_value(ScaleFormats{}, [&]<ScaleFormat F>() {
@@ -44,10 +45,10 @@ bool configure_grouped_path(const cudaDeviceProp& prop) {
           constexpr GroupedConsumers c = grouped_consumers(NT);
           fits = fits && 128 * c.producer_regs + 128 * c.groups * c.consumer_regs <= c.threads * attr.numRegs;
           constexpr std::uint32_t smem = grouped_smem_of<F, NT, R>().total;
-          CSFMOE_CUDA_CHECK_WHAT(cudaFuncSetAttribute(&moe_grouped_kernel<F, K, P, NT, R>,
-                                                      cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-                                 "configure the grouped MoE kernels (" + std::to_string(smem) +
-                                     " bytes of shared memory)");
+          CSFMOE_CUDA_CHECK_WHAT(
+              cudaFuncSetAttribute(&moe_grouped_kernel<F, K, P, NT, R>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+              "configure the grouped MoE kernels (" + std::to_string(smem) + " bytes of shared memory)");
         });
       });
     });

@@ -72,8 +72,8 @@ __device__ __forceinline__ std::uint8_t csf_fixed_scale(const ScaleSource& s, in
 // the selectors of decode_bits::dense_scale_selectors (LaneScales::gather's
 // layout of u).
 template <ScaleFormat F>
-__device__ __forceinline__ void gather_dense_scale_bytes(const uint4& w, const std::uint32_t (&sel)[2],
-                                                         std::uint32_t (&u)[F == ScaleFormat::nvfp4 ? 2 : 1]) {
+__device__ __forceinline__ void gather_dense_scale_bytes(
+    const uint4& w, const std::uint32_t (&sel)[2], std::uint32_t (&u)[F == ScaleFormat::nvfp4 ? 2 : 1]) {
   if constexpr (F == ScaleFormat::nvfp4) {
     u[0] = __byte_perm(w.x, w.y, sel[0]);
     u[1] = __byte_perm(w.z, w.w, sel[1]);
