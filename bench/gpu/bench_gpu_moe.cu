@@ -34,8 +34,10 @@
 //               group of --grouped-groups (MoeBindOptions::grouped_tile_group,
 //               0 = the plan's) and routed (CSF), bitwise against native,
 //               and every run against the decode kernel (relative difference).
-// --grouped-ring-scales: every binding of the run copies the grouped kernel's
-//               block scales into its ring (MoeBindOptions::grouped_ring_scales).
+// --grouped-ring-scales N: every binding of the run sets
+//               MoeBindOptions::grouped_ring_scales to N (1: the grouped kernel
+//               copies its block scales into the ring, 0: per-thread loads,
+//               -1, the default: by token tile).
 // --routing-one-block: native on the bound kernel again with the routing
 //               in one block (MoeBindOptions::routing_chunked_min_slots =
 //               0xFFFFFFFF) where the plan sorts in two passes (more than one
@@ -230,7 +232,7 @@ struct Args {
   std::uint32_t grouped_from = 64;
   std::string dump_draws;
   bool routing_one_block = false;
-  bool ring_scales = false;
+  int ring_scales = -1;
 };
 
 Args parse(int argc, char** argv) {
@@ -288,7 +290,7 @@ Args parse(int argc, char** argv) {
     } else if (k == "--routing-one-block") {
       a.routing_one_block = true;
     } else if (k == "--grouped-ring-scales") {
-      a.ring_scales = true;
+      a.ring_scales = std::stoi(val());
     } else if (k == "--no-prefill") {
       a.prefill.clear();
     } else if (k == "--no-peer") {

@@ -83,14 +83,14 @@ struct MoeBindOptions {
   // FP32 in slot order); true keeps FP32 slots, as the other kernels always
   // do (results differ in the last bits of the bf16 output).
   bool grouped_fp32_slots = false;
-  // The grouped kernel's block scales: false (the default) each consumer
-  // thread loads its own scale words from global memory two K blocks ahead;
-  // true the producer copies each stage's 256 scale rows into the ring beside
-  // the weights and the consumers read them from shared memory (no
-  // per-thread global loads in the main loop). Results are bit-identical
-  // either way; not the default until the H200 has measured it
-  // (docs/performance.md).
-  bool grouped_ring_scales = false;
+  // The grouped kernel's block scales: 1 the producer copies each stage's
+  // 256 scale rows into the ring beside the weights and the consumers read
+  // them from shared memory (ring scales); 0 each consumer thread loads its
+  // own scale words from global memory two K blocks ahead; -1 (the default)
+  // ring scales for the token tiles where they measured faster (16 and 24
+  // rows, grouped_ring_scales_by_default in src/moe/grouped_shape.hpp).
+  // Results are bit-identical either way; bind rejects other values.
+  int grouped_ring_scales = -1;
   // On sm_90 and newer, launch the layer's kernels as programmatic dependents
   // of the one before (PDL): each may start while the previous one drains,
   // and the down GEMM streams its first weights before gate/up has finished.

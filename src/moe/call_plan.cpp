@@ -85,6 +85,11 @@ void validate(const MoeBindOptions& o) {
   if (o.grouped_token_tile != 0 && !moe_detail::grouped_token_tile_valid(o.grouped_token_tile))
     throw InvalidArgument(fmt::format("MoeBindOptions.grouped_token_tile is {}: allowed 0 (auto), {}",
                                       o.grouped_token_tile, fmt::join(moe_detail::kGroupedTokenTiles, ", ")));
+  if (o.grouped_ring_scales < -1 || o.grouped_ring_scales > 1)
+    throw InvalidArgument(
+        fmt::format("MoeBindOptions.grouped_ring_scales is {}: allowed -1 (auto, by token tile), 0 "
+                    "(per-thread loads) or 1 (ring)",
+                    o.grouped_ring_scales));
 }
 
 namespace moe_detail {
@@ -189,7 +194,8 @@ MoeCallPlan plan_call(const MoePlan& plan, const MoeDeviceCaps& caps, std::uint3
     c.token_tile = grouped_token_tile(tokens, g.topk, g.experts, o.grouped_token_tile);
     c.tile_group = o.grouped_tile_group != 0 ? o.grouped_tile_group : kGroupedDefaultTileGroup;
     c.bf16_slots = !o.grouped_fp32_slots;
-    c.ring_scales = o.grouped_ring_scales;
+    c.ring_scales = o.grouped_ring_scales == -1 ? grouped_ring_scales_by_default(c.token_tile)
+                                                : o.grouped_ring_scales == 1;
     return c;
   }
   if (prefill_ok && prefill_size && c.mode != MoeScaleMode::stage_read)

@@ -182,6 +182,16 @@ constexpr std::uint32_t grouped_scale_kb_stride(bool nvfp4, bool swizzled) {
 // aligned word starts at the byte & ~3).
 constexpr std::uint32_t grouped_scale_lane_byte(bool nvfp4, std::uint32_t t) { return nvfp4 ? 2 * t : t; }
 
+// The token tiles whose calls copy their block scales into the ring when the
+// options leave it to the plan (MoeBindOptions::grouped_ring_scales = -1).
+// Measured on the H100 (bench/RESULTS.md, "Grouped kernel: block scales in
+// the ring"): 3-7 % faster with 16- and 24-row tiles (DeepSeek-V3 and Qwen3,
+// NVFP4 and MXFP4, T = 256-512), where each consumer's own scale loads were
+// the longest stall; 4-6 % slower with 32 rows (DeepSeek-V3 T = 768), 1-3 %
+// either way at 48 and 64, 2-5 % slower at 128, where the extra copies load
+// the producer and the larger stages cost the 48- to 80-row tiles a stage.
+constexpr bool grouped_ring_scales_by_default(std::uint32_t nt) { return nt <= 24; }
+
 // Activation chunk a (0 .. nt / 8 - 1) of producer thread p (0..127) in a
 // stage: 16 bytes of tile row n = p / 16 + 8a, K half p / 8 % 2 (64 K each),
 // 8-element column c8 = p % 8; stored at half * nt * 128 + n * 128 +

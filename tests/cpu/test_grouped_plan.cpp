@@ -466,13 +466,25 @@ TEST(GroupedPlan, CallPlanChoosesTheGroupedKernelFromFiveRowsPerExpert) {
   EXPECT_NE(plan_call(odd, h200(), 4096, false, false, o).kernel, MoeKernel::grouped);
   o.grouped_fp32_slots = true;
   EXPECT_FALSE(plan_call(native, h200(), 8192, false, false, o).bf16_slots);
-  // Ring scales only on request, and only for the grouped kernel.
-  EXPECT_FALSE(plan_call(native, h200(), 8192, false, false, o).ring_scales);
-  o.grouped_ring_scales = true;
+  // Ring scales: by default for the 16- and 24-row tiles (DeepSeek-V3 T = 160..384
+  // and 385..512), else per-thread loads; 0 and 1 force them; only the grouped kernel.
+  for (const std::uint32_t t : {160u, 300u, 384u, 385u, 512u, 513u, 1024u, 8192u}) {
+    const MoeCallPlan p = plan_call(native, h200(), t, false, false, o);
+    EXPECT_EQ(p.ring_scales, p.token_tile == 16 || p.token_tile == 24) << t;
+    EXPECT_EQ(p.ring_scales, t <= 512) << t;
+  }
+  o.grouped_ring_scales = 1;
   EXPECT_TRUE(plan_call(native, h200(), 8192, false, false, o).ring_scales);
   EXPECT_FALSE(plan_call(native, h200(), 1, false, false, o).ring_scales);  // decode
   EXPECT_FALSE(plan_call(native, old, 8192, false, false, o).ring_scales);  // prefill
-  o.grouped_ring_scales = false;
+  o.grouped_ring_scales = 0;
+  EXPECT_FALSE(plan_call(native, h200(), 300, false, false, o).ring_scales);
+  for (const int bad : {-2, 2}) {
+    o.grouped_ring_scales = bad;
+    EXPECT_THROW(validate(o), InvalidArgument) << bad;
+    EXPECT_THROW(plan_call(native, h200(), 300, false, false, o), InvalidArgument) << bad;
+  }
+  o.grouped_ring_scales = -1;
   // Calls whose activation offsets would not fit the producer's 32 bits run the prefill kernel.
   EXPECT_TRUE(grouped_offsets_fit(16384, 8, 7168, 2048));
   EXPECT_FALSE(grouped_offsets_fit(600000, 8, 7168, 2048));  // 600000 * 7168 >= 2^32

@@ -252,7 +252,7 @@ MoeBindOptions options_for(MoeScaleMode mode, MoeKernel kernel) {
 std::vector<std::uint16_t> run_mode(const Layer& l, MoeScaleMode mode, const Inputs& in, Call& call,
                                     cudaStream_t s = nullptr, MoeKernel kernel = MoeKernel::decode,
                                     std::uint32_t token_tile = 0, bool fp32_slots = false,
-                                    bool ring_scales = false) {
+                                    int ring_scales = -1) {
   const MoeWeights& w = l.weights_for(mode);
   MoeBindOptions opt = options_for(mode, kernel);
   opt.grouped_token_tile = token_tile;
@@ -305,14 +305,17 @@ void check_all_modes(const Layer& l, const Inputs& in, Call& call, const std::st
         first = out;
       else
         EXPECT_TRUE(out == first) << "differs bitwise from native";
-      // The grouped kernel with its scales copied into the ring: the same bits.
+      // The grouped kernel with its scales copied into the ring and with
+      // per-thread scale loads (the plan picks one by token tile): the same bits.
       if (kernel == MoeKernel::grouped) {
-        if (m == MoeScaleMode::routed) {
-          check(cudaMemset(l.scratch13.p, 0xFF, l.scratch13.n), "scratch poison");
-          check(cudaMemset(l.scratch2.p, 0xFF, l.scratch2.n), "scratch poison");
+        for (const int ring : {0, 1}) {
+          if (m == MoeScaleMode::routed) {
+            check(cudaMemset(l.scratch13.p, 0xFF, l.scratch13.n), "scratch poison");
+            check(cudaMemset(l.scratch2.p, 0xFF, l.scratch2.n), "scratch poison");
+          }
+          EXPECT_TRUE(run_mode(l, m, in, call, nullptr, kernel, 0, false, ring) == first)
+              << "grouped_ring_scales " << ring << " differs bitwise";
         }
-        EXPECT_TRUE(run_mode(l, m, in, call, nullptr, kernel, 0, false, /*ring_scales=*/true) == first)
-            << "ring scales differ bitwise";
       }
     }
   }
@@ -534,7 +537,8 @@ TEST_F(GpuMoe, GroupedKernelEveryTokenTileUniformAndSkewedRouting) {
               check(cudaMemset(l.scratch13.p, 0xFF, l.scratch13.n), "scratch poison");
               check(cudaMemset(l.scratch2.p, 0xFF, l.scratch2.n), "scratch poison");
             }
-            const auto out = run_mode(l, m, in, call, nullptr, MoeKernel::grouped, std::uint32_t(nt));
+            const auto out = run_mode(l, m, in, call, nullptr, MoeKernel::grouped, std::uint32_t(nt),
+                                      /*fp32_slots=*/false, /*ring_scales=*/0);
             const double err = relative_error(to_float(out), ref);
             EXPECT_LT(err, 1e-2) << "relative error " << err;
             if (first.empty())
@@ -545,18 +549,18 @@ TEST_F(GpuMoe, GroupedKernelEveryTokenTileUniformAndSkewedRouting) {
           // Scales copied into the ring: the same bits, bf16 and FP32 slots.
           SCOPED_TRACE("ring scales, tile " + std::to_string(nt));
           EXPECT_TRUE(run_mode(l, MoeScaleMode::native, in, call, nullptr, MoeKernel::grouped,
-                               std::uint32_t(nt), false, /*ring_scales=*/true) == first)
+                               std::uint32_t(nt), false, /*ring_scales=*/1) == first)
               << "ring scales differ bitwise";
           // FP32 per-slot outputs instead of bf16: the same bound, other last bits.
           SCOPED_TRACE("fp32 slots, tile " + std::to_string(nt));
           const auto f32 =
               run_mode(l, MoeScaleMode::native, in, call, nullptr, MoeKernel::grouped, std::uint32_t(nt),
-                       /*fp32_slots=*/true);
+                       /*fp32_slots=*/true, /*ring_scales=*/0);
           EXPECT_LT(relative_error(to_float(f32), ref), 1e-2);
           EXPECT_LT(relative_error(to_float(f32), to_float(first)), 1e-2);
           EXPECT_TRUE(run_mode(l, MoeScaleMode::native, in, call, nullptr, MoeKernel::grouped,
                                std::uint32_t(nt),
-                               /*fp32_slots=*/true, /*ring_scales=*/true) == f32)
+                               /*fp32_slots=*/true, /*ring_scales=*/1) == f32)
               << "ring scales differ bitwise (fp32 slots)";
         }
       }
