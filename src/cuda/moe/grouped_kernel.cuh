@@ -6,12 +6,11 @@
 //    item's FP4 weight rows into a ring of stages with 2-D TMA copies (two
 //    boxes of 128 rows x 64 bytes per 128-wide K block), all 128 gather the
 //    tile's activation rows with cp.async into the 128-byte-swizzled layout
-//    wgmma reads (padding rows are zero-filled), with RingScales also the
-//    weight rows' block scales of the K block (ring scales, below), and
-//    arrive on the stage's full barrier when their copies land. The other
-//    warpgroups consume
-//    (setmaxnreg.inc), the item's 256 weight rows as the A operand from
-//    registers: two of 128 rows, or four of 64 in the smaller tiles
+//    wgmma reads (padding rows are zero-filled), with ring scales also the
+//    weight rows' block scales of the K block (below), and arrive on the
+//    stage's full barrier when their copies land. The other warpgroups
+//    consume (setmaxnreg.inc), the item's 256 weight rows as the A operand
+//    from registers: two of 128 rows, or four of 64 in the smaller tiles
 //    (grouped_consumers).
 //  * Overlap. Each k32 step (two k16 wgmmas) converts its A fragment into
 //    its own register buffer, issues, commits and waits until at most
@@ -30,8 +29,9 @@
 //    thread loads itself two K blocks ahead; in the 128-row tile, MXFP4
 //    scale pairs carry the nibbles' 2^126 (one multiply per pair) where the
 //    warp's bytes allow (grouped_fetches_mid_block). Ring scales
-//    (MoeBindOptions::grouped_ring_scales): the producer copies each stage's
-//    256 scale rows beside its weights and a consumer gathers the same words
+//    (RingScaleRows; the plan's choice by token tile,
+//    grouped_ring_scales_by_default): the producer copies each stage's 256
+//    scale rows beside its weights and a consumer gathers the same words
 //    from shared memory (RingScales), so both give the same bits.
 //  * Epilogues. gate/up: SiLU(gate) * up to bf16, written per routed slot in
 //    the down projection's K order; down: bf16 per slot (FP32 on request)
