@@ -75,9 +75,11 @@ constexpr bool grouped_offsets_fit(std::uint64_t tokens, std::uint32_t topk, std
 }
 
 // Block-scale bytes of one weight row per 128-wide K block: NVFP4 8 (one
-// per 16 K), MXFP4 4 (one per 32 K). The producer copies an item's 256 scale
-// rows into each stage beside its weight rows, so the consumers read them from
-// shared memory instead of each loading its own words from global memory.
+// per 16 K), MXFP4 4 (one per 32 K). With ring scales
+// (grouped_ring_scales_by_default) the producer copies an item's 256 scale
+// rows into each stage beside its weight rows, so the consumers read them
+// from shared memory instead of each loading its own words from global
+// memory; without, a stage holds no scale rows (scale_row_bytes 0).
 constexpr std::uint32_t grouped_scale_row_bytes(bool nvfp4) { return nvfp4 ? 8u : 4u; }
 
 // Shared memory of a token tile of `nt` rows: `stages` ring stages, each
