@@ -7,7 +7,7 @@
 //                 [--decode-warps 1|2|4|8] [--decode-run R] [--decode-copy 1] [--decode-kb-per-warp N]
 //                 [--decode-min-kb N] [--decode-waves N]   (MoeBindOptions::tuning of every binding)
 //                 [--grouped-tiles 0,16,32,64,128] [--grouped-groups 0,1,...] [--grouped-from T]
-//                 [--dump-draws DIR] [--routing-one-block]
+//                 [--dump-draws DIR] [--routing-one-block] [--native-only]
 //
 // Per shape and token count T (top-8 routing, distinct experts per token):
 //   roofline  = bytes of the distinct experts the call touches (FP4 weights +
@@ -42,6 +42,8 @@
 //               in one block (MoeBindOptions::routing_chunked_min_slots =
 //               0xFFFFFFFF) where the plan sorts in two passes (more than one
 //               chunk of slots), timed and checked bitwise against it.
+// --native-only: only native on the kernel bind() picks (the number the peer
+//               tables compare); the other modes and forced kernels report 0.
 // --dump-draws DIR writes each shape's routing draws (DIR/<shape>-T<T>.bin:
 //               int64 ids [8][T][k] then float32 weights [8][T][k]) for the
 //               peer bench (bench/humming_peer.py).
@@ -233,6 +235,7 @@ struct Args {
   std::string dump_draws;
   bool routing_one_block = false;
   int ring_scales = -1;
+  bool native_only = false;  // --native-only: skip the comparison modes 1-7
 };
 
 Args parse(int argc, char** argv) {
@@ -289,6 +292,8 @@ Args parse(int argc, char** argv) {
       a.dump_draws = val();
     } else if (k == "--routing-one-block") {
       a.routing_one_block = true;
+    } else if (k == "--native-only") {
+      a.native_only = true;
     } else if (k == "--grouped-ring-scales") {
       a.ring_scales = std::stoi(val());
     } else if (k == "--no-prefill") {
@@ -630,7 +635,7 @@ int main(int argc, char** argv) {
       std::vector<std::uint16_t> outs[9];  // [8]: the grouped kernel's native output (first tile)
       std::string kernel, stage_kernel;
       bool pdl = false;  // whether bind() chains the launches on this device (m = 0)
-      for (int m = 0; m < 8; ++m) {
+      for (int m = 0; m < (args.native_only ? 1 : 8); ++m) {
         if (m == 5 && kernel == "decode") {
           us[5] = us[0];
           outs[5] = outs[0];
@@ -683,8 +688,9 @@ int main(int argc, char** argv) {
       }
       // Modes on one kernel give identical bits; stage-read calls at prefill
       // sizes run on the decode kernel (outs[5]).
-      bool same = (outs[7].empty() || outs[7] == outs[0]) && outs[1] == outs[0] && outs[2] == outs[0] &&
-                  outs[3] == (stage_kernel == kernel ? outs[0] : outs[5]);
+      bool same =
+          args.native_only || ((outs[7].empty() || outs[7] == outs[0]) && outs[1] == outs[0] &&
+                               outs[2] == outs[0] && outs[3] == (stage_kernel == kernel ? outs[0] : outs[5]));
       // At prefill sizes the CPU reference is too slow: the prefill kernel
       // against the decode kernel (different summation order, same bound).
       double vs_decode = -1;
@@ -794,7 +800,7 @@ int main(int argc, char** argv) {
       if (one_block_us > 0)
         std::printf("%6s native with the routing in one block: %.1f us (x%.3f)%s\n", "", one_block_us,
                     one_block_us / us[0], one_block_same ? ", bitwise equal" : "  ROUTING DIFFERS");
-      if (T >= 256) {
+      if (T >= 256 && !args.native_only) {
         std::printf(
             "%6s prefill: native %.1f TFLOP/s = %.1f%% of dense BF16; tiled kernel %.1f, decode kernel %.1f "
             "TFLOP/s (%.1f us)",
