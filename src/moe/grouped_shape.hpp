@@ -102,6 +102,12 @@ constexpr GroupedSmem grouped_smem(std::uint32_t nt, std::uint32_t scale_row_byt
   s.total = s.tables + 2 * nt * 4 + 1024;
   return s;
 }
+// The layout of one kernel instantiation: its format's scale rows in each
+// stage with ring scales, none without. Kernel and launcher both size their
+// shared memory from this.
+constexpr GroupedSmem grouped_path_smem(std::uint32_t nt, bool nvfp4, bool ring_scales) {
+  return grouped_smem(nt, ring_scales ? grouped_scale_row_bytes(nvfp4) : 0);
+}
 
 // Upper bound on the tiles of a call routed with tiles of `tile` rows.
 constexpr std::uint64_t routed_tiles(std::uint64_t slots, std::uint32_t experts, std::uint32_t tile) {

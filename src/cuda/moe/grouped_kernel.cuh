@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(grouped_consumers(NT).threads, 1)
   using namespace decode;
   using namespace ptx;
   using Ring = RingScales<F, K>;
-  constexpr GroupedSmem kSmem = grouped_smem(NT, RingScaleRows ? Ring::kRowBytes : 0);
+  constexpr GroupedSmem kSmem = grouped_path_smem(NT, F == ScaleFormat::nvfp4, RingScaleRows);
   constexpr GroupedConsumers kCons = grouped_consumers(NT);
   constexpr int kMT = kCons.m_tiles, kChunks = 2 * kMT, kSteps = 4 * kMT;  // k32 steps per K block
   static_assert(kMT * kCons.groups == 4 && kCons.threads == 128 * (1 + kCons.groups));

@@ -12,15 +12,11 @@
 
 namespace csfmoe::moe_detail {
 
-template <ScaleFormat F, int NT, bool R>
-constexpr GroupedSmem grouped_smem_of() {
-  return grouped_smem(NT, R ? grouped_scale_row_bytes(F == ScaleFormat::nvfp4) : 0);
-}
-
 template <ScaleFormat F, ScaleKind K, Projection P, int NT, bool R>
 void grouped_launch(const CUtensorMap& map, const GemmParams& p, cudaStream_t stream) {
   launch_kernel("moe grouped GEMM", p.chained, &moe_grouped_kernel<F, K, P, NT, R>, dim3(p.sm_count),
-                dim3(grouped_consumers(NT).threads), grouped_smem_of<F, NT, R>().total, stream, map, p);
+                dim3(grouped_consumers(NT).threads), grouped_path_smem(NT, F == ScaleFormat::nvfp4, R).total,
+                stream, map, p);
 }
 
 template <bool R>
@@ -28,7 +24,7 @@ bool configure_grouped_path(const cudaDeviceProp& prop) {
   bool fits = true;
   for_each_value(ScaleFormats{}, [&]<ScaleFormat F>() {
     for_each_value(GroupedTokenTiles{}, [&]<int NT>() {
-      fits = fits && prop.sharedMemPerBlockOptin >= grouped_smem_of<F, NT, R>().total;
+      fits = fits && prop.sharedMemPerBlockOptin >= grouped_path_smem(NT, F == ScaleFormat::nvfp4, R).total;
     });
   });
   if (!fits) return false;
@@ -44,7 +40,7 @@ bool configure_grouped_path(const cudaDeviceProp& prop) {
                                  "read the grouped MoE kernels' attributes");
           constexpr GroupedConsumers c = grouped_consumers(NT);
           fits = fits && 128 * c.producer_regs + 128 * c.groups * c.consumer_regs <= c.threads * attr.numRegs;
-          constexpr std::uint32_t smem = grouped_smem_of<F, NT, R>().total;
+          constexpr std::uint32_t smem = grouped_path_smem(NT, F == ScaleFormat::nvfp4, R).total;
           CSFMOE_CUDA_CHECK_WHAT(
               cudaFuncSetAttribute(&moe_grouped_kernel<F, K, P, NT, R>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
