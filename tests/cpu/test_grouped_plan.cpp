@@ -84,28 +84,30 @@ TEST(GroupedPlan, TokenTileFollowsTheMeasuredTable) {
 }
 
 TEST(GroupedPlan, SharedMemoryFitsAndKeepsTheSwizzleAlignment) {
-  for (const bool nvfp4 : {true, false}) {
-    const std::uint32_t row_bytes = grouped_scale_row_bytes(nvfp4);
-    for (int nt : kGroupedTokenTiles) {
-      const GroupedSmem s = grouped_smem(std::uint32_t(nt), row_bytes);
-      SCOPED_TRACE("tile " + std::to_string(nt) + (nvfp4 ? " nvfp4" : " mxfp4"));
-      EXPECT_LE(s.total, kGroupedSmemLimit);
-      EXPECT_GE(s.stages, 4u);  // deep enough to keep HBM busy
-      EXPECT_LE(s.stages, kGroupedMaxStages);
-      EXPECT_EQ(s.stage_bytes % 1024, 0u);              // 128-byte swizzle atoms of every stage
-      EXPECT_EQ(s.act_bytes, std::uint32_t(nt) * 256);  // two 64-K halves of nt rows of 128 bytes
-      // Weights, activations, then one scale row per weight row of the stage.
-      EXPECT_EQ(s.scale_offset, kGroupedWeightStageBytes + s.act_bytes);
-      EXPECT_EQ(s.stage_bytes, s.scale_offset + kGroupedRows * row_bytes);
-      EXPECT_EQ(s.scale_offset % 16, 0u);
-      EXPECT_EQ(s.barriers, s.stages * s.stage_bytes);
-      EXPECT_EQ(s.barriers % 8, 0u);
-      EXPECT_EQ(s.tables, s.barriers + 16 * s.stages);
-      EXPECT_GE(s.total, s.tables + 2 * std::uint32_t(nt) * 4 + 1023);  // the slack aligns the ring
-      // One more stage would not fit.
-      EXPECT_TRUE(s.stages == kGroupedMaxStages || s.total + s.stage_bytes + 16 > kGroupedSmemLimit);
+  for (const bool nvfp4 : {true, false})
+    for (const bool ring : {true, false}) {
+      // The per-thread path's stages hold no scale rows.
+      const std::uint32_t row_bytes = ring ? grouped_scale_row_bytes(nvfp4) : 0;
+      for (int nt : kGroupedTokenTiles) {
+        const GroupedSmem s = grouped_path_smem(std::uint32_t(nt), nvfp4, ring);
+        SCOPED_TRACE("tile " + std::to_string(nt) + (nvfp4 ? " nvfp4" : " mxfp4") + (ring ? " ring" : ""));
+        EXPECT_LE(s.total, kGroupedSmemLimit);
+        EXPECT_GE(s.stages, 4u);  // deep enough to keep HBM busy
+        EXPECT_LE(s.stages, kGroupedMaxStages);
+        EXPECT_EQ(s.stage_bytes % 1024, 0u);              // 128-byte swizzle atoms of every stage
+        EXPECT_EQ(s.act_bytes, std::uint32_t(nt) * 256);  // two 64-K halves of nt rows of 128 bytes
+        // Weights, activations, then one scale row per weight row of the stage.
+        EXPECT_EQ(s.scale_offset, kGroupedWeightStageBytes + s.act_bytes);
+        EXPECT_EQ(s.stage_bytes, s.scale_offset + kGroupedRows * row_bytes);
+        EXPECT_EQ(s.scale_offset % 16, 0u);
+        EXPECT_EQ(s.barriers, s.stages * s.stage_bytes);
+        EXPECT_EQ(s.barriers % 8, 0u);
+        EXPECT_EQ(s.tables, s.barriers + 16 * s.stages);
+        EXPECT_GE(s.total, s.tables + 2 * std::uint32_t(nt) * 4 + 1023);  // the slack aligns the ring
+        // One more stage would not fit.
+        EXPECT_TRUE(s.stages == kGroupedMaxStages || s.total + s.stage_bytes + 16 > kGroupedSmemLimit);
+      }
     }
-  }
   // One scale byte per 16 (NVFP4) / 32 (MXFP4) K of the 128-wide block.
   EXPECT_EQ(grouped_scale_row_bytes(true), kGroupedKBlock / 16);
   EXPECT_EQ(grouped_scale_row_bytes(false), kGroupedKBlock / 32);
