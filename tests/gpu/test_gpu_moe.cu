@@ -305,17 +305,19 @@ void check_all_modes(const Layer& l, const Inputs& in, Call& call, const std::st
         first = out;
       else
         EXPECT_TRUE(out == first) << "differs bitwise from native";
-      // The grouped kernel with its scales copied into the ring and with
-      // per-thread scale loads (the plan picks one by token tile): the same bits.
+      // The grouped kernel's other scale path (scales copied into the ring or
+      // per-thread loads; the plan picks one by token tile, the run above):
+      // the same bits.
       if (kernel == MoeKernel::grouped) {
-        for (const int ring : {0, 1}) {
-          if (m == MoeScaleMode::routed) {
-            check(cudaMemset(l.scratch13.p, 0xFF, l.scratch13.n), "scratch poison");
-            check(cudaMemset(l.scratch2.p, 0xFF, l.scratch2.n), "scratch poison");
-          }
-          EXPECT_TRUE(run_mode(l, m, in, call, nullptr, kernel, 0, false, ring) == first)
-              << "grouped_ring_scales " << ring << " differs bitwise";
+        const BoundMoe planned = bind(l.weights_for(m), nullptr, call.max_tokens, call.workspace(),
+                                      m == MoeScaleMode::expanded, options_for(m, kernel));
+        const int other = planned.call_plan(in.tokens).ring_scales ? 0 : 1;
+        if (m == MoeScaleMode::routed) {
+          check(cudaMemset(l.scratch13.p, 0xFF, l.scratch13.n), "scratch poison");
+          check(cudaMemset(l.scratch2.p, 0xFF, l.scratch2.n), "scratch poison");
         }
+        EXPECT_TRUE(run_mode(l, m, in, call, nullptr, kernel, 0, false, other) == first)
+            << "grouped_ring_scales " << other << " differs bitwise";
       }
     }
   }
