@@ -16,6 +16,8 @@ Joined on (shape, format, T); shapes by name or key (ds3, kimi, qwen3). When a k
 on one side, the last line wins; among humming's GEMM layouts the fastest is shown (--gemm
 picks one). The humming roofline is csfmoe's (the same FP4 bytes and scales are read).
 FLOPs = 2 * T * k * 3 * H * N.
+Last, "Against the targets": the ratio grid (shape and format by T) and the points that miss the
+targets of the issue "MoE at every T" (RATIO_GOAL and the others below).
 """
 
 from __future__ import annotations
@@ -118,6 +120,71 @@ def fmt_tf(f, us):
     return f"{f / (us * 1e-6) / 1e12:.1f}"
 
 
+# The targets of the issue "MoE at every T": csfmoe no slower than humming at
+# every point, 1.2x faster as the goal, the memory-bound range of
+# DeepSeek-V3 (T <= 1024) at 75 % of the roofline, DeepSeek-V3 T = 8192 at
+# 470 TFLOP/s.
+RATIO_GOAL = 0.83
+ROOF_TARGET = 0.75
+ROOF_SHAPE, ROOF_MAX_T = "DeepSeek-V3", 1024
+TFLOPS_TARGET, TFLOPS_SHAPE, TFLOPS_T = 470.0, "DeepSeek-V3", 8192
+
+
+def fastest_peer(variants, gemm=None):
+    if gemm:
+        variants = {g: v for g, v in variants.items() if g == gemm or (gemm == "grouped" and g.startswith("grouped"))}
+    return min(variants.values(), key=lambda v: v["us"]) if variants else None
+
+
+def targets_section(csf, hum, gemm=None):
+    """The ratio grid (shape and format by T) and every point that misses a target."""
+    joined = {}
+    for key, c in csf.items():
+        h = fastest_peer(hum.get(key, {}), gemm)
+        c_us = first(c, "native_us", "us")
+        if h and c_us:
+            joined[key] = (c, c_us, h["us"])
+    if not joined:
+        return []
+    out = ["### Against the targets\n"]
+    Ts = sorted({k[2] for k in joined})
+    groups = sorted({(k[0], k[1]) for k in joined}, key=lambda g: (str(g[0]), str(g[1])))
+    out.append("csfmoe / humming (below 1: csfmoe faster; **bold**: the grouped kernel runs):\n")
+    out.append("| shape, format | " + " | ".join(f"T={t}" for t in Ts) + " |")
+    out.append("|---|" + "---:|" * len(Ts))
+    for shape, fmt in groups:
+        cells = []
+        for t in Ts:
+            j = joined.get((shape, fmt, t))
+            if not j:
+                cells.append("-")
+                continue
+            r = f"{j[1] / j[2]:.2f}"
+            cells.append(f"**{r}**" if j[0].get("kernel") == "grouped" else r)
+        out.append(f"| {shape}, {fmt} | " + " | ".join(cells) + " |")
+    out.append("")
+    slower = [(k, j[1] / j[2]) for k, j in sorted(joined.items()) if j[1] > j[2]]
+    short = [(k, j[1] / j[2]) for k, j in sorted(joined.items()) if j[1] / j[2] > RATIO_GOAL]
+    out.append(f"- csfmoe <= humming: {len(joined) - len(slower)} of {len(joined)} points"
+               + (" (slower: " + ", ".join(f"{k[0]} {k[1]} T={k[2]} {r:.2f}" for k, r in slower) + ")" if slower else "")
+               + ".")
+    out.append(f"- goal <= {RATIO_GOAL}: {len(joined) - len(short)} of {len(joined)} points.")
+    roof = []
+    for (shape, fmt, t), (c, c_us, _) in sorted(joined.items()):
+        r = first(c, "roof_native_us", "roof_us")
+        if shape == ROOF_SHAPE and t <= ROOF_MAX_T and r:
+            roof.append(f"T={t} {fmt} {100.0 * r / c_us:.1f}%")
+    if roof:
+        out.append(f"- {ROOF_SHAPE} T <= {ROOF_MAX_T}, % of the memory roofline (target {100 * ROOF_TARGET:.0f} %): "
+                   + ", ".join(roof) + ".")
+    for (shape, fmt, t), (c, c_us, _) in sorted(joined.items()):
+        f = flops(shape, t)
+        if shape == TFLOPS_SHAPE and t == TFLOPS_T and f:
+            out.append(f"- {shape} T={t} {fmt}: {f / (c_us * 1e-6) / 1e12:.0f} TFLOP/s (target {TFLOPS_TARGET:.0f}).")
+    out.append("")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="csfmoe vs humming-kernels: markdown tables from JSON lines.")
     p.add_argument("files", nargs="+", help="JSON-lines files of bench_gpu_moe and/or humming_peer.py")
@@ -166,9 +233,7 @@ def main(argv=None):
             T = key[2]
             c = csf.get(key)
             variants = hum.get(key, {})
-            if args.gemm:
-                variants = {g: v for g, v in variants.items() if g == args.gemm or (args.gemm == "grouped" and g.startswith("grouped"))}
-            h = min(variants.values(), key=lambda v: v["us"]) if variants else None
+            h = fastest_peer(variants, args.gemm)
             c_us = first(c, "native_us", "us") if c else None
             roof = first(c, "roof_native_us", "roof_us") if c else None
             h_us = h["us"] if h else None
@@ -192,6 +257,7 @@ def main(argv=None):
                     cells.append("-")
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+    out.extend(targets_section(csf, hum, args.gemm))
     missing_h = sorted(k for k in csf if k not in hum)
     missing_c = sorted(k for k in hum if k not in csf)
     if missing_h:
