@@ -43,7 +43,8 @@
 //               0xFFFFFFFF) where the plan sorts in two passes (more than one
 //               chunk of slots), timed and checked bitwise against it.
 // --native-only: only native on the kernel bind() picks (the number the peer
-//               tables compare); the other modes and forced kernels report 0.
+//               tables compare); the other modes and forced kernels report 0 and
+//               modes_identical null (nothing compared).
 // --dump-draws DIR writes each shape's routing draws (DIR/<shape>-T<T>.bin:
 //               int64 ids [8][T][k] then float32 weights [8][T][k]) for the
 //               peer bench (bench/humming_peer.py).
@@ -688,6 +689,7 @@ int main(int argc, char** argv) {
       }
       // Modes on one kernel give identical bits; stage-read calls at prefill
       // sizes run on the decode kernel (outs[5]).
+      // --native-only compares nothing (its JSON line says null).
       bool same =
           args.native_only || ((outs[7].empty() || outs[7] == outs[0]) && outs[1] == outs[0] &&
                                outs[2] == outs[0] && outs[3] == (stage_kernel == kernel ? outs[0] : outs[5]));
@@ -843,8 +845,11 @@ int main(int argc, char** argv) {
                      shape.name.c_str(), std::string(to_string(args.format)).c_str(), T, distinct,
                      kernel.c_str(), roof_native, roof_csf, us[0], us[1], us[2], us[3], us[4], us[5], us[6],
                      us[7], peer_us, flops, dense_rate / 1e12, bw / 1e9, err_v, vs_decode,
-                     same ? "true" : "false", one_block_us, one_block_same ? "true" : "false",
-                     output_hash(outs[0]), output_hash(outs[3]));
+                     args.native_only ? "null"
+                     : same           ? "true"
+                                      : "false",
+                     one_block_us, one_block_same ? "true" : "false", output_hash(outs[0]),
+                     output_hash(outs[3]));
       std::fflush(json);
       ck(cudaFree(id_sets), "free");
       ck(cudaFree(wt_sets), "free");
