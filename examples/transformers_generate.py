@@ -57,6 +57,9 @@ def _build_model(family: str, geometry: str, layers: int, seed: int):
         return tf.MixtralForCausalLM(cfg)
     if family == "deepseek_v3":
         groups = 8 if e % 8 == 0 and e >= 16 else 2
+        # Multi-head latent attention: every head has its own keys and values
+        # (transformers would repeat them num_heads / num_key_value_heads times).
+        common["num_key_value_heads"] = heads
         cfg = tf.DeepseekV3Config(**common, intermediate_size=4 * n, moe_intermediate_size=n, n_routed_experts=e,
                                   n_shared_experts=1, num_experts_per_tok=k, n_group=groups,
                                   topk_group=max(1, groups // 2), first_k_dense_replace=0,
