@@ -96,8 +96,9 @@ def rel_where_routes_agree(model, reference, prompt):
     other experts, and causal attention carries that into every later token
     of its sequence: those tokens measure the flip, not the kernels. The
     first block's routes cannot differ (its inputs are the same bits in both
-    models), and the flips must be few: a wrong expert output would move
-    most routes of the later blocks."""
+    models), and the flips must be few (a quarter of the tokens at most). A
+    wrong expert output still shows: the first block's experts run on every
+    token before any flip can happen."""
     got, got_routes = logits_and_routes(model, prompt)
     want, want_routes = logits_and_routes(reference, prompt)
     same = [(a == b).all(-1) for a, b in zip(got_routes, want_routes)]
