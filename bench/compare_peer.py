@@ -185,6 +185,35 @@ def targets_section(csf, hum, gemm=None):
     return out
 
 
+def crossover_section(grouped, hum, gemm=None):
+    """The grouped kernel forced where the plan runs another kernel
+    (bench_gpu_moe --grouped-from below the plan's threshold): its best token
+    tile against the planned call and against humming, the evidence for the
+    plan's grouped threshold."""
+    rows = []
+    for key, tiles in sorted(grouped.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]), kv[0][2])):
+        tile, best = min(tiles.items(), key=lambda kv: kv[1]["us"])
+        planned, planned_us = best.get("bound_kernel"), best.get("bound_us")
+        if planned in (None, "grouped") or not planned_us:
+            continue
+        h = fastest_peer(hum.get(key, {}), gemm)
+        rows.append((key, planned, planned_us, tile, best["us"], h["us"] if h else None))
+    if not rows:
+        return []
+    out = ["### The grouped kernel below the plan's threshold\n",
+           "| shape, format | T | planned kernel | planned us | grouped us (tile) | grouped / planned | grouped / humming |",
+           "|---|---:|---|---:|---:|---:|---:|"]
+    for (shape, fmt, t), planned, planned_us, tile, g_us, h_us in rows:
+        vs_h = f"{g_us / h_us:.2f}" if h_us else "-"
+        out.append(f"| {shape}, {fmt} | {t} | {planned} | {planned_us:.1f} | {g_us:.1f} ({tile}) | "
+                   f"{g_us / planned_us:.2f} | {vs_h} |")
+    faster = sum(1 for r in rows if r[4] < r[2])
+    out.append("")
+    out.append(f"- the grouped kernel faster than the planned kernel: {faster} of {len(rows)} points.")
+    out.append("")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="csfmoe vs humming-kernels: markdown tables from JSON lines.")
     p.add_argument("files", nargs="+", help="JSON-lines files of bench_gpu_moe and/or humming_peer.py")
@@ -258,6 +287,7 @@ def main(argv=None):
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     out.extend(targets_section(csf, hum, args.gemm))
+    out.extend(crossover_section(grouped, hum, args.gemm))
     missing_h = sorted(k for k in csf if k not in hum)
     missing_c = sorted(k for k in hum if k not in csf)
     if missing_h:

@@ -67,3 +67,37 @@ def test_decode_points_are_not_bold_and_missing_points_dash(tmp_path, capsys):
     assert "| Qwen3-30B-A3B, nvfp4 | - | **0.50** |" in text
     assert "csfmoe <= humming: 2 of 3 points" in text
     assert "DeepSeek-V3 T <=" not in text  # no DeepSeek-V3 point, no roofline line
+
+
+def forced(shape, fmt, T, tile, us, planned, planned_us):
+    return {"bench": "moe_grouped", "shape": shape, "format": fmt, "T": T, "tile": tile, "us": us,
+            "bound_kernel": planned, "bound_us": planned_us}
+
+
+def test_crossover_lists_forced_grouped_runs_below_the_threshold(tmp_path, capsys):
+    rng = random.Random()
+    dec64, dec128 = rng.uniform(1e3, 2e3), rng.uniform(2e3, 3e3)
+    g64, g128 = dec64 * rng.uniform(1.01, 1.2), dec128 * rng.uniform(0.8, 0.99)
+    h128 = rng.uniform(2e3, 3e3)
+    ours = [layer("DeepSeek-V3", "nvfp4", 64, dec64, 1.0, "decode"),
+            layer("DeepSeek-V3", "nvfp4", 128, dec128, 1.0, "decode"),
+            layer("DeepSeek-V3", "nvfp4", 256, 3e3, 1.0, "grouped"),
+            # T = 128: two tiles, the faster one is reported.
+            forced("DeepSeek-V3", "nvfp4", 64, 16, g64, "decode", dec64),
+            forced("DeepSeek-V3", "nvfp4", 128, 16, g128, "decode", dec128),
+            forced("DeepSeek-V3", "nvfp4", 128, 24, g128 * 1.5, "decode", dec128),
+            # Where the plan runs the grouped kernel itself there is no crossover to show.
+            forced("DeepSeek-V3", "nvfp4", 256, 24, 3e3, "grouped", 3e3)]
+    theirs = [peer("ds3", "nvfp4", 128, h128)]
+    write_lines(tmp_path / "csf.jsonl", ours)
+    write_lines(tmp_path / "peer.jsonl", theirs)
+    assert compare_peer.main([str(tmp_path / "csf.jsonl"), str(tmp_path / "peer.jsonl")]) == 0
+    out = capsys.readouterr().out
+    text = out[out.index("### The grouped kernel below the plan's threshold"):]
+    rows = [line for line in text.splitlines() if line.startswith("| DeepSeek-V3")]
+    assert rows == [
+        f"| DeepSeek-V3, nvfp4 | 64 | decode | {dec64:.1f} | {g64:.1f} (16) | {g64 / dec64:.2f} | - |",
+        f"| DeepSeek-V3, nvfp4 | 128 | decode | {dec128:.1f} | {g128:.1f} (16) | {g128 / dec128:.2f} | "
+        f"{g128 / h128:.2f} |",
+    ]
+    assert "- the grouped kernel faster than the planned kernel: 1 of 2 points." in text
