@@ -17,7 +17,8 @@ on one side, the last line wins; among humming's GEMM layouts the fastest is sho
 picks one). The humming roofline is csfmoe's (the same FP4 bytes and scales are read).
 FLOPs = 2 * T * k * 3 * H * N.
 Last, "Against the targets": the ratio grid (shape and format by T) and the points that miss the
-targets of the issue "MoE at every T" (RATIO_GOAL and the others below).
+targets of the issue "MoE at every T" (RATIO_GOAL and the others below); then, where the bench
+forced the grouped kernel below the plan's threshold, that kernel against the planned one.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""compare_peer.py's "Against the targets" section on hand-made JSON lines."""
+"""compare_peer.py's closing sections ("Against the targets", "The grouped
+kernel below the plan's threshold") on hand-made JSON lines."""
 
 import json
 import os
@@ -24,12 +25,12 @@ def peer(shape, fmt, T, us, gemm="indexed"):
     return {"peer": "humming-kernels", "shape": shape, "format": fmt, "tokens": T, "us": us, "gemm": gemm}
 
 
-def section(tmp_path, capsys, ours, theirs):
+def section(tmp_path, capsys, ours, theirs, heading="### Against the targets"):
     write_lines(tmp_path / "csf.jsonl", ours)
     write_lines(tmp_path / "peer.jsonl", theirs)
     assert compare_peer.main([str(tmp_path / "csf.jsonl"), str(tmp_path / "peer.jsonl")]) == 0
     out = capsys.readouterr().out
-    return out[out.index("### Against the targets"):]
+    return out[out.index(heading):]
 
 
 def test_grid_counts_and_targets(tmp_path, capsys):
@@ -89,11 +90,7 @@ def test_crossover_lists_forced_grouped_runs_below_the_threshold(tmp_path, capsy
             # Where the plan runs the grouped kernel itself there is no crossover to show.
             forced("DeepSeek-V3", "nvfp4", 256, 24, 3e3, "grouped", 3e3)]
     theirs = [peer("ds3", "nvfp4", 128, h128)]
-    write_lines(tmp_path / "csf.jsonl", ours)
-    write_lines(tmp_path / "peer.jsonl", theirs)
-    assert compare_peer.main([str(tmp_path / "csf.jsonl"), str(tmp_path / "peer.jsonl")]) == 0
-    out = capsys.readouterr().out
-    text = out[out.index("### The grouped kernel below the plan's threshold"):]
+    text = section(tmp_path, capsys, ours, theirs, "### The grouped kernel below the plan's threshold")
     rows = [line for line in text.splitlines() if line.startswith("| DeepSeek-V3")]
     assert rows == [
         f"| DeepSeek-V3, nvfp4 | 64 | decode | {dec64:.1f} | {g64:.1f} (16) | {g64 / dec64:.2f} | - |",
